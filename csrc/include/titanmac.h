@@ -1,0 +1,200 @@
+/*
+ * titanmac.h -- the only public C API of titanmac_c.
+ *
+ * The inside of an optimizer step as a few fused passes over lists of tensors:
+ *   tm_norms       per-group and global p-norms of gradients (and of parameters) + non-finite flag
+ *   tm_clip_coef   coef = min(1, max_norm / (total_norm + 1e-6)), torch's clip_grad_norm_ formula
+ *   tm_scale       x *= *scale for every tensor of a list (the eager half of clip_grad_norm_)
+ *   tm_adamw_step  AdamW (decoupled weight decay, bias correction, amsgrad, maximize) with a
+ *                  per-group learning rate, an optional gradient scale multiplied in as each
+ *                  gradient is loaded, and an optional skip flag
+ *
+ * Every scalar a step may need to change without the host looking (learning rates, step counts,
+ * gradient scale, skip flag, norms) lives in tensor memory on the tensors' device, so a CUDA step
+ * can be captured in a graph. Host-side hyperparameters (betas, eps, weight decay, norm type) are
+ * plain numbers.
+ *
+ * Contract (shaped like TransformerEngine's common/ API):
+ *   - every function returns tm_status; details of the last failure on this thread come from
+ *     tm_last_error(). Nothing prints, exits or aborts.
+ *   - every input is validated before the first write: a failing call changes no tensor.
+ *   - the library allocates nothing: scratch is passed in (tm_exec), sized by *_scratch_bytes().
+ *   - no CUDA or Python types appear here; a stream is a void *.
+ */
+#ifndef TITANMAC_H
+#define TITANMAC_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---------------------------------------------------------------- status ---- */
+
+typedef enum {
+    TM_OK = 0,
+    TM_ERR_VALUE = 1,       /* bad hyperparameter, count or size mismatch      -> ValueError  */
+    TM_ERR_TYPE = 2,        /* an argument of the wrong kind                    -> TypeError   */
+    TM_ERR_BUFFER = 3,      /* unusable tensor: dtype, device, layout, read-only -> BufferError */
+    TM_ERR_UNSUPPORTED = 4, /* valid, but this build cannot run it (no CUDA)    -> titanmac_c.Error */
+    TM_ERR_CUDA = 5,        /* CUDA runtime failure                              -> titanmac_c.Error */
+    TM_ERR_INTERNAL = 6     /* a bug in titanmac_c                               -> titanmac_c.Error */
+} tm_status;
+
+/* Message of the last failing call on this thread ("" when none). Valid until the next call. */
+const char *tm_last_error(void);
+
+/* ---------------------------------------------------------------- tensors ---- */
+
+typedef enum { TM_FLOAT32 = 0, TM_FLOAT16 = 1, TM_BFLOAT16 = 2 } tm_dtype;
+
+/* Values match DLPack's DLDeviceType so the importer needs no table. */
+typedef enum { TM_DEVICE_CPU = 1, TM_DEVICE_CUDA = 2 } tm_device_type;
+
+#define TM_TENSOR_READ_ONLY 1u /* the producer forbids writes (DLPack READ_ONLY flag) */
+
+/* A dense, contiguous run of numel elements. data is the first element (DLPack data +
+ * byte_offset); it may be NULL only when numel == 0. */
+typedef struct {
+    void *data;
+    int64_t numel;
+    tm_dtype dtype;
+    tm_device_type device_type;
+    int32_t device_id;
+    uint32_t flags; /* TM_TENSOR_* */
+} tm_tensor;
+
+/* A list of tensors playing one role. name ("params", "grads", ...) is used in messages. */
+typedef struct {
+    const char *name;
+    const tm_tensor *tensors;
+    int32_t count;
+} tm_tensor_list;
+
+/* Where and how to run. One device per call: the device of the tensors. */
+typedef struct {
+    void *stream;         /* cudaStream_t for CUDA tensors (NULL = legacy default); unused on CPU */
+    int32_t num_threads;  /* CPU worker threads; <= 0 means one */
+    void *scratch;        /* caller-owned scratch on the tensors' device (host memory on CPU);
+                             may be NULL when the op's *_scratch_bytes() is 0 */
+    size_t scratch_bytes; /* at least what the op's *_scratch_bytes() asked for */
+} tm_exec;
+
+/* ---------------------------------------------------------------- norms ---- */
+
+typedef struct {
+    double norm_type;         /* p > 0, or INFINITY for max |x| */
+    int32_t num_groups;       /* >= 1 */
+    const int32_t *group_of;  /* host array [grads.count], values in [0, num_groups); NULL = all 0 */
+} tm_norms_args;
+
+/* Outputs: float32 tensors on the tensors' device, written by the call. A tensor with
+ * data == NULL and numel == 0 means "not wanted" where marked optional. */
+typedef struct {
+    tm_tensor group_grad;  /* [num_groups] p-norm of the grads of each group (0 for an empty one) */
+    tm_tensor group_param; /* [num_groups] p-norm of the params of each group; optional */
+    tm_tensor total_grad;  /* [1] p-norm over all grads */
+    tm_tensor total_param; /* [1] p-norm over all params; optional */
+    tm_tensor nonfinite;   /* [1] 1.0f when any grad element is NaN or +-Inf, else 0.0f; optional */
+} tm_norms_out;
+
+/* Scratch the caller must pass to tm_norms for these lists (0 for none needed). */
+size_t tm_norms_scratch_bytes(const tm_tensor_list *grads, const tm_tensor_list *params);
+
+/* One pass over grads (and params when params != NULL and params->count > 0) giving per-group
+ * and global p-norms. Norms of NaN-containing data are NaN, as in torch. The result does not
+ * depend on the thread count: partial sums per fixed block are combined in index order.
+ * \param[in]  grads   tensors to reduce (read only)
+ * \param[in]  params  NULL, or a list of the same count and numels as grads (read only)
+ * \param[in]  args    norm type and grouping
+ * \param[out] out     result tensors (float32)
+ * \param[in]  exec    stream, threads, scratch */
+tm_status tm_norms(const tm_tensor_list *grads, const tm_tensor_list *params,
+                   const tm_norms_args *args, const tm_norms_out *out, const tm_exec *exec);
+
+/* ---------------------------------------------------------------- clipping ---- */
+
+/* coef[0] = min(1, max_norm / (total_norm[0] + 1e-6)) in float32 arithmetic, evaluated as torch's
+ * clip_grad_norm_ evaluates it (reciprocal of norm + 1e-6, times max_norm, clamp at 1). A NaN norm
+ * gives a NaN coefficient, as in torch.
+ * \param[in]  total_norm  float32 [1]
+ * \param[in]  max_norm    finite, >= 0
+ * \param[out] coef        float32 [1], same device */
+tm_status tm_clip_coef(const tm_tensor *total_norm, double max_norm, const tm_tensor *coef,
+                       const tm_exec *exec);
+
+/* tensors[i] *= scale[0] for every i (math in float32, rounded once to the tensor dtype).
+ * \param[in,out] tensors  writable tensors
+ * \param[in]     scale    float32 [1] on the same device */
+tm_status tm_scale(const tm_tensor_list *tensors, const tm_tensor *scale, const tm_exec *exec);
+
+/* ---------------------------------------------------------------- AdamW ---- */
+
+/* Host hyperparameters of one parameter group. */
+typedef struct {
+    double beta1;        /* [0, 1) */
+    double beta2;        /* [0, 1) */
+    double eps;          /* finite, >= 0 */
+    double weight_decay; /* finite, >= 0; decoupled: p *= 1 - lr * weight_decay */
+    int32_t maximize;    /* nonzero: ascend (grad is negated) */
+} tm_adamw_group;
+
+typedef struct {
+    int32_t amsgrad;              /* nonzero: keep max_exp_avg_sq, use its sqrt in the denominator */
+    int32_t num_groups;           /* >= 1 */
+    const tm_adamw_group *groups; /* host array [num_groups] */
+    const int32_t *group_of;      /* host array [params.count]; NULL = all in group 0 */
+} tm_adamw_args;
+
+/* One entry per parameter; every list has params.count tensors of equal numel, except step
+ * (numel 1 each) and max_exp_avg_sq (count 0 unless amsgrad). grads, exp_avg, exp_avg_sq and
+ * max_exp_avg_sq have the dtype of their param; step is float32. Only grads may be read-only. */
+typedef struct {
+    tm_tensor_list params;
+    tm_tensor_list grads;
+    tm_tensor_list exp_avg;
+    tm_tensor_list exp_avg_sq;
+    tm_tensor_list max_exp_avg_sq;
+    tm_tensor_list step;
+} tm_adamw_tensors;
+
+/* Per-step inputs read from device memory. */
+typedef struct {
+    tm_tensor lr;         /* float32 [num_groups] learning rate of each group */
+    tm_tensor grad_scale; /* float32 [1] multiplied into each grad as it is loaded; optional */
+    tm_tensor skip;       /* float32 [1]; when nonzero the call changes nothing; optional */
+} tm_adamw_inputs;
+
+/* Scratch the caller must pass to tm_adamw_step (0 on the CPU). On CUDA it holds a completion
+ * counter: it must be zero before its first use, and every call leaves it zero again. */
+size_t tm_adamw_scratch_bytes(const tm_adamw_tensors *t);
+
+/* One AdamW step, the math of torch.optim.AdamW (per tensor: step += 1, then
+ *   g  = grad * grad_scale, negated if maximize
+ *   p *= 1 - lr * wd
+ *   m  = lerp(m, g, 1 - beta1);  v = beta2 * v + (1 - beta2) * g * g
+ *   denom = sqrt(amsgrad ? (vmax = max(vmax, v)) : v) / sqrt(1 - beta2^step) + eps
+ *   p -= lr / (1 - beta1^step) * m / denom),
+ * all element math in float32, bias corrections in double. */
+tm_status tm_adamw_step(const tm_adamw_tensors *t, const tm_adamw_args *args,
+                        const tm_adamw_inputs *in, const tm_exec *exec);
+
+/* ---------------------------------------------------------------- backends ---- */
+
+/* Pick the CPU loop bodies once (called at module load). name: NULL or "" = best the CPU
+ * supports, or one of "generic", "avx2", "avx512"; TM_ERR_VALUE if unknown or unsupported. */
+tm_status tm_cpu_select_isa(const char *name);
+
+/* Name of the CPU instruction set in use: "generic", "avx2" or "avx512". */
+const char *tm_cpu_isa(void);
+
+/* 1 when this build has the CUDA backend compiled in (says nothing about a device being there). */
+int tm_cuda_compiled(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* TITANMAC_H */
