@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# One command for whoever has a GPU: build the CUDA backend offline, run the whole test suite on
+# CUDA, run compute-sanitizer (memcheck and racecheck) over the CUDA tests, run the GPU benchmark,
+# and print one summary table. Paste its output into benchmarks/RESULTS.md with the date, device,
+# torch version and this command.
+#
+# Usage: bash benchmarks/gpu_check.sh            (from the repository root; needs torch + nvcc)
+# Env:   TITANMAC_CUDA_ARCHS  defaults to the compute capability of GPU 0 (fast build)
+#        OUT                  folder for logs and JSON (default benchmarks/out)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-benchmarks/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+declare -A RESULT
+
+step() {  # step NAME COMMAND...: run, log to $OUT/NAME.log, remember pass/fail
+    local name=$1; shift
+    echo "=== $name: $*"
+    if "$@" 2>&1 | tee "$OUT/$name.log"; then RESULT[$name]=pass; else RESULT[$name]=FAIL; fi
+}
+
+if [ -z "${TITANMAC_CUDA_ARCHS:-}" ]; then
+    cap=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n1 | tr -d .)
+    export TITANMAC_CUDA_ARCHS=${cap:-90}
+fi
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+
+step build env TITANMAC_WITH_CUDA=1 python3 -m pip install --no-build-isolation --no-deps -q .
+step tests python3 -m pytest -q -rs tests
+SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+# The sanitizers run the CUDA-parametrized tests only (the CPU ones do not touch the GPU).
+# torch's caching allocator hides out-of-bounds accesses inside its pools from memcheck, so
+# PYTORCH_NO_CUDA_MEMORY_CACHING=1 gives every tensor its own allocation here.
+step memcheck env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$SAN" --tool memcheck --error-exitcode 1 \
+    python3 -m pytest -q -x -k cuda tests
+step racecheck "$SAN" --tool racecheck --error-exitcode 1 python3 -m pytest -q -x -k cuda tests
+step bench python3 benchmarks/bench_step.py --device cuda --out "$OUT/bench_step_cuda.json"
+
+echo
+echo "=== summary ($(date -u +%Y-%m-%d), $(head -n1 "$OUT/gpu.txt"))"
+printf '%-10s %s\n' check result
+status=0
+for name in build tests memcheck racecheck bench; do
+    printf '%-10s %s\n' "$name" "${RESULT[$name]:-not run}"
+    [ "${RESULT[$name]:-}" = pass ] || status=1
+done
+grep -E "passed|failed|skipped" "$OUT/tests.log" | tail -n1
+exit $status

@@ -1,0 +1,141 @@
+/*
+ * tm_tensor.c -- the per-tensor and per-list checks declared in tm_tensor.h, with the exact
+ * messages the Python tests match on.
+ */
+#include "tm_tensor.h"
+
+#include <stdio.h>
+
+#include "tm_status.h"
+
+const char *
+tm_dtype_name(tm_dtype dtype)
+{
+    switch (dtype) {
+    case TM_FLOAT32:
+        return "float32";
+    case TM_FLOAT16:
+        return "float16";
+    case TM_BFLOAT16:
+        return "bfloat16";
+    }
+    return "unknown";
+}
+
+size_t
+tm_dtype_size(tm_dtype dtype)
+{
+    switch (dtype) {
+    case TM_FLOAT32:
+        return 4;
+    case TM_FLOAT16:
+    case TM_BFLOAT16:
+        return 2;
+    }
+    return 0;
+}
+
+const char *
+tm_device_text(const tm_tensor *t, char *buf)
+{
+    if (t->device_type == TM_DEVICE_CUDA) {
+        snprintf(buf, TM_DEVICE_TEXT, "cuda:%d", (int)t->device_id);
+    } else if (t->device_type == TM_DEVICE_CPU) {
+        snprintf(buf, TM_DEVICE_TEXT, "cpu");
+    } else {
+        snprintf(buf, TM_DEVICE_TEXT, "device type %d", (int)t->device_type);
+    }
+    return buf;
+}
+
+const char *
+tm_label(const char *name, int32_t index, char *buf)
+{
+    if (index == TM_NO_INDEX) {
+        snprintf(buf, TM_LABEL_TEXT, "%s", name);
+    } else {
+        snprintf(buf, TM_LABEL_TEXT, "%s[%d]", name, (int)index);
+    }
+    return buf;
+}
+
+int
+tm_same_device(const tm_tensor *a, const tm_tensor *b)
+{
+    if (a->device_type != b->device_type) {
+        return 0;
+    }
+    return a->device_type != TM_DEVICE_CUDA || a->device_id == b->device_id;
+}
+
+int
+tm_tensor_given(const tm_tensor *t)
+{
+    return t->data != NULL || t->numel != 0;
+}
+
+tm_status
+tm_check_list(const tm_tensor_list *list)
+{
+    TM_CHECK(list->count >= 0, TM_ERR_INTERNAL, "%s: negative tensor count %d", list->name,
+             (int)list->count);
+    TM_CHECK(list->tensors != NULL || list->count == 0, TM_ERR_INTERNAL,
+             "%s: %d tensors but no tensor array", list->name, (int)list->count);
+    return TM_OK;
+}
+
+tm_status
+tm_check_count(const tm_tensor_list *list, int32_t expected, const char *lead_name)
+{
+    TM_CHECK(list->count == expected, TM_ERR_VALUE, "%s: %d tensors, %s has %d", list->name,
+             (int)list->count, lead_name, (int)expected);
+    return TM_OK;
+}
+
+tm_status
+tm_check_usable(const tm_tensor *t, const char *name, int32_t index)
+{
+    char label[TM_LABEL_TEXT];
+    TM_CHECK(t->numel >= 0, TM_ERR_BUFFER, "%s: negative numel %lld", tm_label(name, index, label),
+             (long long)t->numel);
+    TM_CHECK(t->data != NULL || t->numel == 0, TM_ERR_BUFFER, "%s: data is NULL",
+             tm_label(name, index, label));
+    TM_CHECK(tm_dtype_size(t->dtype) != 0, TM_ERR_BUFFER, "%s: unsupported dtype",
+             tm_label(name, index, label));
+    TM_CHECK(t->device_type == TM_DEVICE_CPU || t->device_type == TM_DEVICE_CUDA, TM_ERR_BUFFER,
+             "%s: unsupported device type %d", tm_label(name, index, label), (int)t->device_type);
+    return TM_OK;
+}
+
+tm_status
+tm_check_device(const tm_tensor *t, const char *name, int32_t index, const tm_tensor *ref,
+                const char *ref_label)
+{
+    char label[TM_LABEL_TEXT];
+    char dev[TM_DEVICE_TEXT];
+    char ref_dev[TM_DEVICE_TEXT];
+    TM_CHECK(tm_same_device(t, ref), TM_ERR_VALUE, "%s: on %s, but %s is on %s",
+             tm_label(name, index, label), tm_device_text(t, dev), ref_label,
+             tm_device_text(ref, ref_dev));
+    return TM_OK;
+}
+
+tm_status
+tm_check_writable(const tm_tensor *t, const char *name, int32_t index)
+{
+    char label[TM_LABEL_TEXT];
+    TM_CHECK((t->flags & TM_TENSOR_READ_ONLY) == 0, TM_ERR_BUFFER,
+             "%s: read-only, cannot be updated", tm_label(name, index, label));
+    return TM_OK;
+}
+
+tm_status
+tm_check_f32_numel(const tm_tensor *t, const char *name, int32_t index, int64_t numel)
+{
+    char label[TM_LABEL_TEXT];
+    TM_CHECK(t->dtype == TM_FLOAT32 && t->numel == numel, TM_ERR_VALUE,
+             "%s: expected float32 with %lld element%s, got %s with %lld",
+             tm_label(name, index, label), (long long)numel, numel == 1 ? "" : "s",
+             tm_dtype_name(t->dtype), (long long)t->numel);
+    return TM_OK;
+}

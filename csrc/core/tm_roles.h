@@ -1,0 +1,40 @@
+/*
+ * tm_roles.h -- the checks every op runs on its tensors, described once as a table of roles
+ * (params, grads, lr, ...) instead of being written out per op: each role says whether it is a
+ * list or a lone tensor, whether it is written, and whether its numel and dtype must match the
+ * lead list (roles[0]) index by index.
+ */
+#ifndef TM_ROLES_H
+#define TM_ROLES_H
+
+#include "../common/tm_tensor.h"
+#include "tm_validate.h"
+
+enum {
+    TM_ROLE_LONE = 1u,    /* one tensor, named without an index; skipped while not given */
+    TM_ROLE_WRITTEN = 2u, /* must be writable, must not share memory with another role */
+    TM_ROLE_MATCH = 4u    /* numel and dtype equal to the lead list's at the same index */
+};
+
+typedef struct {
+    tm_tensor_list list; /* a lone tensor is a list of one */
+    unsigned flags;
+} tm_role;
+
+/* A list role; the list's own name wins over default_name. list may be NULL (an empty list). */
+tm_role tm_list_role(const tm_tensor_list *list, const char *default_name, unsigned flags);
+
+/* A lone-tensor role (t must not be NULL). */
+tm_role tm_lone_role(const tm_tensor *t, const char *name, unsigned flags);
+
+/* TM_ERR_INTERNAL for a list with a negative count or no array. */
+tm_status tm_roles_structure(const tm_role *roles, int n);
+
+/* Per tensor, then across tensors: usable, one device (sets *ref), numel and dtype against the
+ * lead list, writable, no aliasing between lists at one index. */
+tm_status tm_roles_check(const tm_role *roles, int n, tm_device_ref *ref);
+
+/* exec->scratch holds at least need bytes, 8-byte aligned (CPU partials are doubles). */
+tm_status tm_check_scratch(const tm_exec *exec, size_t need);
+
+#endif /* TM_ROLES_H */

@@ -1,0 +1,126 @@
+/*
+ * cpu_ops.h -- the CPU backend: the cpu_<op> entry points (same signatures and contract as the
+ * tm_<op> functions of titanmac.h, called only after core/ validated every argument) and the
+ * table of loop bodies compiled once per instruction set (cpu_generic.c, cpu_avx2.c,
+ * cpu_avx512.c) of which cpu_features.c picks one at run time (PyTorch's DispatchStub, ggml's
+ * CPU variants).
+ *
+ * Work is cut into blocks of TM_CPU_BLOCK elements per tensor; threads get contiguous runs of
+ * blocks, and every reduction is combined per block in a fixed order, so results never depend
+ * on the thread count or the instruction set.
+ */
+#ifndef TM_CPU_OPS_H
+#define TM_CPU_OPS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "../common/tm_math.h"
+#include "titanmac.h"
+
+/* 1 where the AVX2 and AVX-512 tables exist: x86-64, the one x86 target the build gives ISA
+ * flags to (-DTM_CPU_X86=0 builds the layout of other targets here, for testing). */
+#ifndef TM_CPU_X86
+#if defined(__x86_64__)
+#define TM_CPU_X86 1
+#else
+#define TM_CPU_X86 0
+#endif
+#endif
+
+/* Elements per block: 16 KiB of float32, so a block of one list sits in L1 while it is reduced,
+ * and a thread's share of a list is many blocks. */
+#define TM_CPU_BLOCK 4096
+
+/* Below this many elements in a call one thread does it all: starting a parallel region costs
+ * microseconds, about what two threads save on 64K elements. */
+#define TM_CPU_SERIAL_ELEMS 65536
+
+/* Norm families with a loop of their own; p == 1, 2 and inf avoid pow(). */
+typedef enum { CPU_NORM_L1 = 0, CPU_NORM_L2, CPU_NORM_LINF, CPU_NORM_LP } cpu_norm_kind;
+
+/* One call per contiguous run of elements of one tensor; pointers already point at the run.
+ * vmax is NULL unless c->amsgrad. */
+typedef void (*cpu_adamw_fn)(void *p, const void *g, void *m, void *v, void *vmax, int64_t n,
+                             const tm_adamw_coeffs *c);
+typedef void (*cpu_scale_fn)(void *x, int64_t n, float scale);
+/* Reduced value of one block (n <= TM_CPU_BLOCK): sum |x|^p, or max |x| for CPU_NORM_LINF,
+ * with 8 accumulators combined in a fixed order. */
+typedef double (*cpu_reduce_fn)(const void *x, int64_t n, cpu_norm_kind kind, double p);
+/* 1 when some element of the block is NaN or +-inf. */
+typedef int (*cpu_nonfinite_fn)(const void *x, int64_t n);
+
+/* The loop bodies of one instruction set, indexed by tm_dtype. */
+typedef struct {
+    const char *name;
+    cpu_adamw_fn adamw[3];
+    cpu_scale_fn scale[3];
+    cpu_reduce_fn reduce[3];
+    cpu_nonfinite_fn nonfinite[3];
+} cpu_kernels;
+
+extern const cpu_kernels cpu_kernels_generic;
+#if TM_CPU_X86
+extern const cpu_kernels cpu_kernels_avx2;
+extern const cpu_kernels cpu_kernels_avx512;
+#endif
+
+/* cpu_features.c: the table in use (never NULL), and choosing it. */
+const cpu_kernels *cpu_active_kernels(void);
+tm_status cpu_select_isa(const char *name);
+
+/* max that keeps NaN from either side (torch.maximum), for combining inf-norm partials. */
+static inline double
+cpu_max_nan(double a, double b)
+{
+    return (b > a || b != b) ? b : a;
+}
+
+/* cpu_ops.c / cpu_norms.c: the drivers. */
+size_t cpu_norms_scratch_bytes(const tm_tensor_list *grads, const tm_tensor_list *params);
+tm_status cpu_norms(const tm_tensor_list *grads, const tm_tensor_list *params,
+                    const tm_norms_args *args, const tm_norms_out *out, const tm_exec *exec);
+tm_status cpu_clip_coef(const tm_tensor *total_norm, double max_norm, const tm_tensor *coef,
+                        const tm_exec *exec);
+tm_status cpu_scale(const tm_tensor_list *tensors, const tm_tensor *scale, const tm_exec *exec);
+tm_status cpu_adamw_step(const tm_adamw_tensors *t, const tm_adamw_args *args,
+                         const tm_adamw_inputs *in, const tm_exec *exec);
+
+/* A run of blocks [block_begin, block_end) of tensor `tensor`; global_block is the index of
+ * block_begin among all blocks of the call (where its partials go in scratch). */
+typedef void (*cpu_segment_fn)(void *ctx, int32_t tensor, int64_t block_begin, int64_t block_end,
+                               int64_t global_block);
+
+/* Blocks of one tensor; 0 for numel <= 0, so scratch sizing of unvalidated lists stays sane. */
+static inline int64_t
+cpu_blocks_of(int64_t numel)
+{
+    return numel > 0 ? (numel + TM_CPU_BLOCK - 1) / TM_CPU_BLOCK : 0;
+}
+
+/* Element offset (*offset) and count (returned) of blocks [b0, b1) of a tensor of numel. */
+static inline int64_t
+cpu_segment_elems(int64_t numel, int64_t b0, int64_t b1, int64_t *offset)
+{
+    int64_t end = b1 * TM_CPU_BLOCK < numel ? b1 * TM_CPU_BLOCK : numel;
+    *offset = b0 * TM_CPU_BLOCK;
+    return end - *offset;
+}
+
+/* Address of element `offset` of t (dtype already validated). */
+static inline void *
+cpu_elem_ptr(const tm_tensor *t, int64_t offset)
+{
+    size_t size = t->dtype == TM_FLOAT32 ? 4 : 2;
+    return (char *)t->data + (size_t)offset * size;
+}
+
+/* Blocks of all tensors of lead, in order. */
+int64_t cpu_count_blocks(const tm_tensor_list *lead);
+
+/* Calls fn over every block of lead, spread over exec->num_threads threads (one when the call is
+ * small); each thread gets one contiguous range of global block indices. */
+void cpu_for_each_block(const tm_tensor_list *lead, const tm_exec *exec, cpu_segment_fn fn,
+                        void *ctx);
+
+#endif /* TM_CPU_OPS_H */

@@ -1,0 +1,338 @@
+/*
+ * adamw.cu -- one AdamW step over lists of tensors: torch.optim.AdamW (decoupled weight decay,
+ * bias correction, amsgrad, maximize) with the element math of tm_adamw_elem (tm_math.h); shaped
+ * after PyTorch's fused_adam_utils.cuh and llm.c's adamw.cuh.
+ *
+ *   step += 1;  g = grad * grad_scale (negated if maximize);  p *= 1 - lr * wd
+ *   m = lerp(m, g, 1 - beta1);  v = beta2 * v + (1 - beta2) * g^2;  vmax = max(vmax, v)
+ *   p -= lr / (1 - beta1^step) * m / (sqrt(amsgrad ? vmax : v) / sqrt(1 - beta2^step) + eps)
+ *
+ * Graph-capturable: lr[group], step[i], grad_scale[0] and skip[0] are read by the kernel from
+ * device memory; the host passes pointers and the groups' host hyperparameters only.
+ *
+ * adamw_kernel<T, DEPTH>: one block per chunk of TM_CHUNK elements (multi_tensor.cuh). Thread 0
+ * reads the tensor's step and lr and builds the coefficients in double (tm_adamw_coeffs_make),
+ * which the block shares. Every thread then updates its elements in float32: 16-byte loads and
+ * stores of p, g, m, v (and vmax) when all of the tensor's pointers are 16-byte aligned, element
+ * accesses for the tail and for unaligned views (a view at offset 1 is legal); both paths call
+ * tm_adamw_elem. State has the param's dtype (fp32, fp16, bf16), rounded once per store.
+ *
+ * Step counts, race-free within one launch: a block reads step[i] (thread 0) before it arrives
+ * at the completion counter in the caller's scratch (atomicAdd after __threadfence). The block
+ * whose arrival makes the count gridDim.x is the last, so every block has read its step by then:
+ * it adds 1 to every step of the launch, numel-0 tensors included, and stores 0 back to the
+ * counter, which the next launch on the stream sees (stream order). So the scratch is zero
+ * between calls, as titanmac.h promises. The counter is the only atomic; results do not depend
+ * on block order. With skip[0] != 0 every block returns before touching anything.
+ * Two calls must not share one scratch concurrently (different streams): they would share the
+ * counter.
+ *
+ * Launches: for each dtype present, ceil(its tensors / capacity), capacity 605 (525 with
+ * amsgrad) at 32 KB of parameters; more than TM_ADAMW_GROUPS distinct groups also split a launch.
+ */
+#include "cuda_ops.h"
+#include "multi_tensor.cuh"
+
+/* Distinct param groups per launch (hyperparameters by value, 40 bytes each). */
+#define TM_ADAMW_GROUPS (TM_KERNEL_PARAM_BYTES >= 32000 ? 16 : 4)
+
+enum { TM_IDX_PARAM, TM_IDX_GRAD, TM_IDX_EXP_AVG, TM_IDX_EXP_AVG_SQ, TM_IDX_MAX_EXP_AVG_SQ };
+
+struct adamw_group_hp {
+    double beta1, beta2, eps, weight_decay;
+    int32_t lr_index; /* the group's index in lr (and in args->groups) */
+    int32_t maximize;
+};
+
+struct adamw_args {
+    const float *lr;         /* [num_groups] */
+    const float *grad_scale; /* [1], NULL = 1 */
+    const float *skip;       /* [1], NULL = never */
+    unsigned int *counter;   /* scratch: finished blocks of the running launch */
+};
+
+/* DEPTH 4: p, g, m, v; DEPTH 5: + vmax (amsgrad). Indexed by TM_IDX_*. */
+template <int DEPTH> struct adamw_meta {
+    static constexpr int depth = DEPTH;
+    static constexpr int capacity =
+        cuda_meta_capacity(DEPTH * sizeof(void *) + sizeof(float *) + 1,
+                           sizeof(adamw_args) + TM_ADAMW_GROUPS * sizeof(adamw_group_hp) + 8);
+    adamw_group_hp groups[TM_ADAMW_GROUPS];
+    void *ptr[DEPTH][capacity];
+    float *step[capacity];
+    tensor_table<capacity> t;
+    uint8_t slot[capacity]; /* index into groups */
+    int32_t num_groups;
+};
+static_assert(sizeof(adamw_meta<4>) + sizeof(adamw_args) <= TM_KERNEL_PARAM_BYTES, "params");
+static_assert(sizeof(adamw_meta<5>) + sizeof(adamw_args) <= TM_KERNEL_PARAM_BYTES, "params");
+static_assert(TM_ADAMW_GROUPS <= 256, "slot is a uint8_t");
+
+/* Coefficients of tensor i. torch increments the float32 step tensor, then takes its value as a
+ * Python float for the bias corrections: step + 1 in float32, the rest in double. */
+template <int DEPTH>
+static __device__ __forceinline__ tm_adamw_coeffs
+adamw_coeffs_of(const adamw_meta<DEPTH> &meta, const adamw_args &args, int32_t i)
+{
+    const adamw_group_hp &g = meta.groups[meta.slot[i]];
+    const float step = meta.step[i][0] + 1.0f;
+    const float scale = args.grad_scale != NULL ? args.grad_scale[0] : 1.0f;
+    return tm_adamw_coeffs_make((double)args.lr[g.lr_index], g.beta1, g.beta2, g.eps,
+                                g.weight_decay, (double)step, scale, g.maximize, DEPTH == 5);
+}
+
+/* One element of any dtype: widen, tm_adamw_elem, round once. x is touched only with AMS. */
+template <typename T, bool AMS>
+static __device__ __forceinline__ void
+adamw_apply(T &p, T g, T &m, T &v, T *x, const tm_adamw_coeffs &c)
+{
+    float pf = to_float(p);
+    float mf = to_float(m);
+    float vf = to_float(v);
+    float xf = AMS ? to_float(*x) : 0.0f;
+    tm_adamw_elem(&pf, &mf, &vf, &xf, to_float(g), &c);
+    p = from_float<T>(pf);
+    m = from_float<T>(mf);
+    v = from_float<T>(vf);
+    if constexpr (AMS) {
+        *x = from_float<T>(xf);
+    }
+}
+
+/* Vector k (16 bytes of each tensor) of a chunk whose pointers are all 16-byte aligned. */
+template <typename T, bool AMS>
+static __device__ __forceinline__ void
+adamw_vec(T *p, const T *g, T *m, T *v, T *x, int32_t k, const tm_adamw_coeffs &c)
+{
+    vec16<T> rp = reinterpret_cast<const vec16<T> *>(p)[k];
+    const vec16<T> rg = reinterpret_cast<const vec16<T> *>(g)[k];
+    vec16<T> rm = reinterpret_cast<const vec16<T> *>(m)[k];
+    vec16<T> rv = reinterpret_cast<const vec16<T> *>(v)[k];
+    vec16<T> rx = rv; /* placeholder without amsgrad; never read then */
+    if constexpr (AMS) {
+        rx = reinterpret_cast<const vec16<T> *>(x)[k];
+    }
+#pragma unroll
+    for (int e = 0; e < (int)(TM_VEC_BYTES / sizeof(T)); e++) {
+        adamw_apply<T, AMS>(rp.v[e], rg.v[e], rm.v[e], rv.v[e], &rx.v[e], c);
+    }
+    reinterpret_cast<vec16<T> *>(p)[k] = rp;
+    reinterpret_cast<vec16<T> *>(m)[k] = rm;
+    reinterpret_cast<vec16<T> *>(v)[k] = rv;
+    if constexpr (AMS) {
+        reinterpret_cast<vec16<T> *>(x)[k] = rx;
+    }
+}
+
+/* This thread's elements of chunk [start, start + len) of tensor i. */
+template <typename T, int DEPTH>
+static __device__ __forceinline__ void
+adamw_chunk(const adamw_meta<DEPTH> &meta, int32_t i, int64_t start, int32_t len,
+            const tm_adamw_coeffs &c)
+{
+    constexpr bool AMS = DEPTH == 5;
+    constexpr int32_t VEC = TM_VEC_BYTES / sizeof(T);
+    T *p = (T *)meta.ptr[TM_IDX_PARAM][i] + start;
+    const T *g = (const T *)meta.ptr[TM_IDX_GRAD][i] + start;
+    T *m = (T *)meta.ptr[TM_IDX_EXP_AVG][i] + start;
+    T *v = (T *)meta.ptr[TM_IDX_EXP_AVG_SQ][i] + start;
+    T *x = p; /* aligned whenever p is; never accessed without amsgrad */
+    if constexpr (AMS) {
+        x = (T *)meta.ptr[TM_IDX_MAX_EXP_AVG_SQ][i] + start;
+    }
+    const bool aligned = is_aligned16(p) && is_aligned16(g) && is_aligned16(m) &&
+                         is_aligned16(v) && is_aligned16(x);
+    const int32_t nvec = aligned ? len / VEC : 0;
+    for (int32_t k = threadIdx.x; k < nvec; k += TM_BLOCK) {
+        adamw_vec<T, AMS>(p, g, m, v, x, k, c);
+    }
+    for (int32_t k = nvec * VEC + threadIdx.x; k < len; k += TM_BLOCK) {
+        adamw_apply<T, AMS>(p[k], g[k], m[k], v[k], x + k, c);
+    }
+}
+
+/* The completion-counter protocol of the file comment. Every thread of every block calls it. */
+template <int DEPTH>
+static __device__ __forceinline__ void
+adamw_count_steps(const adamw_meta<DEPTH> &meta, unsigned int *counter)
+{
+    __shared__ bool s_last;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence(); /* release: this block's read of step[i] comes before its arrival */
+        const unsigned int arrived = atomicAdd(counter, 1u);
+        __threadfence(); /* acquire: every other block's read comes before our writes below */
+        s_last = arrived == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (s_last) {
+        for (int32_t j = threadIdx.x; j < meta.t.count; j += TM_BLOCK) {
+            meta.step[j][0] += 1.0f;
+        }
+        if (threadIdx.x == 0) {
+            *counter = 0u;
+        }
+    }
+}
+
+/* Block b -> chunk b of the launch. A launch holding only numel-0 tensors has one block with no
+ * chunk, which still counts their steps. */
+template <typename T, int DEPTH>
+__global__ void __launch_bounds__(TM_BLOCK, TM_MIN_BLOCKS)
+adamw_kernel(const __grid_constant__ adamw_meta<DEPTH> meta, const adamw_args args)
+{
+    __shared__ tm_adamw_coeffs s_coeffs;
+    if (args.skip != NULL && args.skip[0] != 0.0f) {
+        return; /* the same answer in every block: nothing changes, counter included */
+    }
+    const bool has_chunk = blockIdx.x < meta.t.num_chunks;
+    int32_t i = 0;
+    int32_t len = 0;
+    int64_t start = 0;
+    if (has_chunk) {
+        locate_chunk(meta.t, blockIdx.x, &i, &start, &len);
+        if (threadIdx.x == 0) {
+            s_coeffs = adamw_coeffs_of(meta, args, i);
+        }
+    }
+    __syncthreads();
+    if (has_chunk) {
+        tm_adamw_coeffs c = s_coeffs;
+        c.amsgrad = DEPTH == 5; /* a constant, so tm_adamw_elem's branch folds */
+        adamw_chunk<T>(meta, i, start, len, c);
+    }
+    adamw_count_steps(meta, args.counter);
+}
+
+template <typename T, int DEPTH>
+static tm_status
+adamw_launch(const adamw_meta<DEPTH> &meta, const adamw_args &args, cudaStream_t stream)
+{
+    const unsigned int blocks = meta.t.num_chunks > 0 ? meta.t.num_chunks : 1u;
+    adamw_kernel<T, DEPTH><<<blocks, TM_BLOCK, 0, stream>>>(meta, args);
+    TM_CUDA_CHECK(cudaGetLastError());
+    return TM_OK;
+}
+
+/* The op as multi_tensor_apply walks it: the params of one dtype, numel-0 ones included. */
+struct adamw_walk {
+    static constexpr bool keep_empty = true;
+    const tm_adamw_tensors *t;
+    const tm_adamw_args *hp;
+    adamw_args args;
+    tm_dtype dtype;
+    cudaStream_t stream;
+
+    int32_t
+    group_of(int32_t i) const
+    {
+        return hp->group_of != NULL ? hp->group_of[i] : 0;
+    }
+
+    bool
+    include(int32_t i) const
+    {
+        return t->params.tensors[i].dtype == dtype;
+    }
+
+    int64_t
+    numel(int32_t i) const
+    {
+        return t->params.tensors[i].numel;
+    }
+
+    template <typename Meta>
+    int
+    find_group(const Meta &m, int32_t g) const
+    {
+        for (int k = 0; k < m.num_groups; k++) {
+            if (m.groups[k].lr_index == g) {
+                return k;
+            }
+        }
+        return -1;
+    }
+
+    template <typename Meta>
+    bool
+    fits(const Meta &m, int32_t i) const
+    {
+        return m.num_groups < TM_ADAMW_GROUPS || find_group(m, group_of(i)) >= 0;
+    }
+
+    template <typename Meta>
+    void
+    clear(Meta &m) const
+    {
+        m.num_groups = 0;
+    }
+
+    template <typename Meta>
+    void
+    fill(Meta &m, int32_t slot, int32_t i) const
+    {
+        const int32_t g = group_of(i);
+        int k = find_group(m, g);
+        if (k < 0) {
+            const tm_adamw_group *src = &hp->groups[g];
+            k = m.num_groups++;
+            m.groups[k] = adamw_group_hp{src->beta1, src->beta2, src->eps, src->weight_decay,
+                                         g,           src->maximize};
+        }
+        m.slot[slot] = (uint8_t)k;
+        m.ptr[TM_IDX_PARAM][slot] = t->params.tensors[i].data;
+        m.ptr[TM_IDX_GRAD][slot] = t->grads.tensors[i].data;
+        m.ptr[TM_IDX_EXP_AVG][slot] = t->exp_avg.tensors[i].data;
+        m.ptr[TM_IDX_EXP_AVG_SQ][slot] = t->exp_avg_sq.tensors[i].data;
+        if constexpr (Meta::depth == 5) {
+            m.ptr[TM_IDX_MAX_EXP_AVG_SQ][slot] = t->max_exp_avg_sq.tensors[i].data;
+        }
+        m.step[slot] = (float *)t->step.tensors[i].data;
+    }
+
+    template <typename Meta>
+    tm_status
+    launch(const Meta &m, int64_t) const
+    {
+        switch (dtype) {
+        case TM_FLOAT16:
+            return adamw_launch<__half>(m, args, stream);
+        case TM_BFLOAT16:
+            return adamw_launch<__nv_bfloat16>(m, args, stream);
+        default:
+            return adamw_launch<float>(m, args, stream);
+        }
+    }
+};
+
+size_t
+cuda_adamw_scratch_bytes(const tm_adamw_tensors *t)
+{
+    return t->params.count > 0 ? sizeof(unsigned int) : 0;
+}
+
+tm_status
+cuda_adamw_step(const tm_adamw_tensors *t, const tm_adamw_args *args, const tm_adamw_inputs *in,
+                const tm_exec *exec)
+{
+    static const tm_dtype dtypes[] = {TM_FLOAT32, TM_FLOAT16, TM_BFLOAT16};
+    cuda_device_guard guard;
+    TM_TRY(guard.enter(in->lr.device_id));
+    adamw_walk walk;
+    walk.t = t;
+    walk.hp = args;
+    walk.args.lr = (const float *)in->lr.data;
+    walk.args.grad_scale = (const float *)in->grad_scale.data; /* NULL when not given */
+    walk.args.skip = (const float *)in->skip.data;
+    walk.args.counter = (unsigned int *)exec->scratch;
+    walk.stream = cuda_stream_of(exec);
+    for (tm_dtype dtype : dtypes) { /* one launch series per dtype: T is a template parameter */
+        walk.dtype = dtype;
+        if (args->amsgrad) {
+            TM_TRY(multi_tensor_apply<adamw_meta<5>>(walk, t->params.count));
+        } else {
+            TM_TRY(multi_tensor_apply<adamw_meta<4>>(walk, t->params.count));
+        }
+    }
+    return TM_OK;
+}

@@ -1,0 +1,143 @@
+/*
+ * clip.cu -- the two device halves of torch.nn.utils.clip_grad_norm_:
+ *   coef[0] = min(1, max_norm / (total_norm[0] + 1e-6))   tm_clip_coef_elem, torch's order
+ *   x *= scale[0] for every tensor x of a list             clip_grads_with_norm_'s foreach mul
+ * Both read their scalar from device memory, so the host never waits and both can be captured in
+ * a CUDA graph (llm.c computes its clip factor on the device the same way; torch #139662 split
+ * get_total_norm from clip_grads_with_norm_ for the same reason).
+ *
+ * clip_coef_kernel: one thread, one element.
+ * scale_kernel: one block per chunk of TM_CHUNK elements (multi_tensor.cuh); 16-byte loads and
+ * stores, TM_ILP in flight, when the tensor is 16-byte aligned, element accesses for the tail and
+ * for unaligned views. Math in float32, rounded once to the tensor's dtype. A block switches on
+ * its tensor's dtype, so a list mixing dtypes still takes ceil(non-empty tensors / 1,500)
+ * launches at 32 KB of parameters.
+ */
+#include "cuda_ops.h"
+#include "multi_tensor.cuh"
+
+/* ---------------------------------------------------------------- clip coefficient ---- */
+
+__global__ void
+clip_coef_kernel(const float *total_norm, float max_norm, float *coef)
+{
+    coef[0] = tm_clip_coef_elem(total_norm[0], max_norm);
+}
+
+tm_status
+cuda_clip_coef(const tm_tensor *total_norm, double max_norm, const tm_tensor *coef,
+               const tm_exec *exec)
+{
+    cuda_device_guard guard;
+    TM_TRY(guard.enter(total_norm->device_id));
+    /* torch multiplies a float32 tensor by the Python float max_norm in float32 */
+    clip_coef_kernel<<<1, 1, 0, cuda_stream_of(exec)>>>((const float *)total_norm->data,
+                                                        (float)max_norm, (float *)coef->data);
+    TM_CUDA_CHECK(cudaGetLastError());
+    return TM_OK;
+}
+
+/* ---------------------------------------------------------------- scale ---- */
+
+struct scale_meta {
+    static constexpr int capacity = cuda_meta_capacity(sizeof(void *) + 1, sizeof(float *));
+    void *ptr[capacity];
+    tensor_table<capacity> t;
+    uint8_t dtype[capacity];
+};
+static_assert(sizeof(scale_meta) + sizeof(float *) <= TM_KERNEL_PARAM_BYTES, "params");
+
+/* This thread's share of one chunk, in place. */
+template <typename T>
+static __device__ __forceinline__ void
+scale_chunk(T *x, int32_t len, float s)
+{
+    constexpr int32_t VEC = TM_VEC_BYTES / sizeof(T);
+    const int32_t nvec = is_aligned16(x) ? len / VEC : 0;
+    vec16<T> *xv = reinterpret_cast<vec16<T> *>(x);
+    for (int32_t k0 = threadIdx.x; k0 < nvec; k0 += TM_BLOCK * TM_ILP) {
+        vec16<T> r[TM_ILP];
+#pragma unroll
+        for (int u = 0; u < TM_ILP; u++) {
+            if (k0 + u * TM_BLOCK < nvec) {
+                r[u] = xv[k0 + u * TM_BLOCK];
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < TM_ILP; u++) {
+            if (k0 + u * TM_BLOCK < nvec) {
+#pragma unroll
+                for (int e = 0; e < VEC; e++) {
+                    r[u].v[e] = from_float<T>(to_float(r[u].v[e]) * s);
+                }
+                xv[k0 + u * TM_BLOCK] = r[u];
+            }
+        }
+    }
+    for (int32_t k = nvec * VEC + threadIdx.x; k < len; k += TM_BLOCK) {
+        x[k] = from_float<T>(to_float(x[k]) * s);
+    }
+}
+
+/* Block b -> chunk b of the launch; every thread reads the scale (one broadcast load). */
+__global__ void __launch_bounds__(TM_BLOCK)
+scale_kernel(const __grid_constant__ scale_meta meta, const float *scale)
+{
+    int32_t i;
+    int32_t len;
+    int64_t start;
+    locate_chunk(meta.t, blockIdx.x, &i, &start, &len);
+    const float s = scale[0];
+    void *x = meta.ptr[i];
+    switch (meta.dtype[i]) {
+    case TM_FLOAT16:
+        scale_chunk((__half *)x + start, len, s);
+        break;
+    case TM_BFLOAT16:
+        scale_chunk((__nv_bfloat16 *)x + start, len, s);
+        break;
+    default:
+        scale_chunk((float *)x + start, len, s);
+        break;
+    }
+}
+
+/* The op as multi_tensor_apply walks it: one table entry per non-empty tensor. */
+struct scale_walk {
+    static constexpr bool keep_empty = false;
+    const tm_tensor_list *tensors;
+    const float *scale;
+    cudaStream_t stream;
+
+    bool include(int32_t) const { return true; }
+    int64_t numel(int32_t i) const { return tensors->tensors[i].numel; }
+    bool fits(const scale_meta &, int32_t) const { return true; }
+    void clear(scale_meta &) const {}
+
+    void
+    fill(scale_meta &m, int32_t slot, int32_t i) const
+    {
+        m.ptr[slot] = tensors->tensors[i].data;
+        m.dtype[slot] = (uint8_t)tensors->tensors[i].dtype;
+    }
+
+    tm_status
+    launch(const scale_meta &m, int64_t) const
+    {
+        scale_kernel<<<m.t.num_chunks, TM_BLOCK, 0, stream>>>(m, scale);
+        TM_CUDA_CHECK(cudaGetLastError());
+        return TM_OK;
+    }
+};
+
+tm_status
+cuda_scale(const tm_tensor_list *tensors, const tm_tensor *scale, const tm_exec *exec)
+{
+    cuda_device_guard guard;
+    TM_TRY(guard.enter(scale->device_id));
+    scale_walk walk;
+    walk.tensors = tensors;
+    walk.scale = (const float *)scale->data;
+    walk.stream = cuda_stream_of(exec);
+    return multi_tensor_apply<scale_meta>(walk, tensors->count);
+}

@@ -1,0 +1,275 @@
+/*
+ * dlpack_check.c -- what a DLPack producer offers and what its tensors mean to titanmac_c.
+ * The exchange table of a type (`__dlpack_c_exchange_api__`, DLPack 1.3; the 1.2-era
+ * `__c_dlpack_exchange_api__`), looked up once per type. One DLTensor (+ flags) becomes a
+ * tm_tensor after the checks every consumer makes (numpy dlpack.c, nanobind, section 6 of
+ * shared/reference/dlpack.md): device (cpu, pinned host, or cuda), dtype (float32, float16,
+ * bfloat16; lanes 1), shape, C-contiguity ignoring size-1 dims (torch <= 2.9 rewrote their
+ * strides to 1; NULL strides = compact), data + byte_offset, READ_ONLY. And the labelled errors
+ * ("grads[3]: ...") of the importer. No ownership here: that is dlpack_import.c's.
+ */
+#include "dlpack_import.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+
+/* ---------------------------------------------------------------- errors ---- */
+
+int
+py_fail(PyObject *type, py_label lbl, const char *fmt, ...)
+{
+    char msg[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    if (lbl.index >= 0) {
+        PyErr_Format(type, "%s[%zd]: %s", lbl.name, lbl.index, msg);
+    } else {
+        PyErr_Format(type, "%s: %s", lbl.name, msg);
+    }
+    return -1;
+}
+
+PyObject *
+py_take_exception(void)
+{
+#if PY_VERSION_HEX >= 0x030C0000
+    return PyErr_GetRaisedException();
+#else
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (value != NULL && tb != NULL) {
+        PyException_SetTraceback(value, tb);
+    }
+    Py_XDECREF(type);
+    Py_XDECREF(tb);
+    return value;
+#endif
+}
+
+void
+py_restore_exception(PyObject *exc)
+{
+    if (exc == NULL) {
+        return;
+    }
+#if PY_VERSION_HEX >= 0x030C0000
+    PyErr_SetRaisedException(exc);
+#else
+    PyErr_Restore(Py_NewRef((PyObject *)Py_TYPE(exc)), exc, PyException_GetTraceback(exc));
+#endif
+}
+
+int
+py_fail_from_pending(PyObject *type, py_label lbl, const char *what)
+{
+    if (PyErr_Occurred() && !PyErr_ExceptionMatches(PyExc_Exception)) {
+        return -1;
+    }
+    PyObject *cause = py_take_exception();
+    PyObject *text = cause != NULL ? PyObject_Str(cause) : NULL;
+    const char *utf8 = text != NULL ? PyUnicode_AsUTF8(text) : NULL;
+    PyErr_Clear();
+    utf8 = utf8 != NULL ? utf8 : "no details";
+    /* first line only: torch appends a C++ backtrace (the chained cause keeps all of it) */
+    py_fail(type, lbl, "%s: %.*s", what, (int)strcspn(utf8, "\n"), utf8);
+    Py_XDECREF(text);
+    if (cause != NULL) {
+        PyObject *exc = py_take_exception();
+        PyException_SetCause(exc, cause); /* steals cause */
+        py_restore_exception(exc);
+    }
+    return -1;
+}
+
+/* ---------------------------------------------------------------- exchange table ---- */
+
+/* A table pointer (capsule payload or int) -> the major-1 table in its chain, or NULL. */
+static const DLPackExchangeAPI *
+usable_table(const void *ptr)
+{
+    for (const DLPackExchangeAPIHeader *h = ptr; h != NULL; h = h->prev_api) {
+        if (h->version.major == TM_DLPACK_MAJOR) {
+            const DLPackExchangeAPI *api = (const DLPackExchangeAPI *)h;
+            int can_read = api->dltensor_from_py_object_no_sync != NULL ||
+                           api->managed_tensor_from_py_object_no_sync != NULL;
+            return can_read ? api : NULL;
+        }
+    }
+    return NULL;
+}
+
+/* DLPack 1.3 names the attribute __dlpack_c_exchange_api__ (capsule "dlpack_exchange_api");
+ * 1.2-era producers set __c_dlpack_exchange_api__ as an int or a capsule (as tvm-ffi accepts). */
+static const DLPackExchangeAPI *
+lookup_table(py_state *st, PyTypeObject *type)
+{
+    const void *ptr = NULL;
+    PyObject *attr = PyObject_GetAttr((PyObject *)type, st->s_exchange_api);
+    if (attr != NULL && PyCapsule_IsValid(attr, "dlpack_exchange_api")) {
+        ptr = PyCapsule_GetPointer(attr, "dlpack_exchange_api");
+    } else {
+        Py_XDECREF(attr);
+        PyErr_Clear();
+        attr = PyObject_GetAttr((PyObject *)type, st->s_exchange_legacy);
+        if (attr != NULL && PyCapsule_CheckExact(attr)) {
+            ptr = PyCapsule_GetPointer(attr, PyCapsule_GetName(attr));
+        } else if (attr != NULL && PyLong_Check(attr)) {
+            ptr = PyLong_AsVoidPtr(attr);
+        }
+    }
+    Py_XDECREF(attr);
+    PyErr_Clear();
+    return ptr != NULL ? usable_table(ptr) : NULL;
+}
+
+const DLPackExchangeAPI *
+py_exchange_api(py_state *st, PyTypeObject *type)
+{
+    if (st->intake_protocol) {
+        return NULL;
+    }
+    for (int i = 0; i < st->n_api; i++) {
+        if (st->api_cache[i].type == type) {
+            return st->api_cache[i].api;
+        }
+    }
+    const DLPackExchangeAPI *api = lookup_table(st, type);
+    if (st->n_api < PY_API_CACHE_SIZE) {
+        st->api_cache[st->n_api].type = (PyTypeObject *)Py_NewRef((PyObject *)type);
+        st->api_cache[st->n_api].api = api;
+        st->n_api++;
+    }
+    return api;
+}
+
+/* ---------------------------------------------------------------- DLTensor -> tm_tensor ---- */
+
+static const char *
+dtype_name(DLDataType t, char *buf, size_t cap)
+{
+    static const char *const fp8[] = {"float8_e3m4",   "float8_e4m3",      "float8_e4m3b11fnuz",
+                                      "float8_e4m3fn", "float8_e4m3fnuz",  "float8_e5m2",
+                                      "float8_e5m2fnuz", "float8_e8m0fnu", "float6_e2m3fn",
+                                      "float6_e3m2fn", "float4_e2m1fn"};
+    static const char *const base[] = {"int", "uint", "float", NULL, "bfloat", "complex"};
+    if (t.code == kDLBool) {
+        return "bool";
+    }
+    if (t.code >= kDLFloat8_e3m4 && t.code <= kDLFloat4_e2m1fn) {
+        return fp8[t.code - kDLFloat8_e3m4];
+    }
+    if (t.code <= kDLComplex && base[t.code] != NULL) {
+        snprintf(buf, cap, "%s%u", base[t.code], (unsigned)t.bits);
+    } else {
+        snprintf(buf, cap, "(code %u, bits %u)", (unsigned)t.code, (unsigned)t.bits);
+    }
+    return buf;
+}
+
+static void
+format_dims(char *buf, size_t cap, const int64_t *v, int32_t n)
+{
+    size_t len = (size_t)snprintf(buf, cap, "[");
+    for (int32_t d = 0; d < n && len < cap; d++) {
+        if (d == 8) {
+            len += (size_t)snprintf(buf + len, cap - len, ", ...");
+            break;
+        }
+        len += (size_t)snprintf(buf + len, cap - len, d ? ", %lld" : "%lld", (long long)v[d]);
+    }
+    if (len < cap) {
+        snprintf(buf + len, cap - len, "]");
+    }
+}
+
+/* (2,32) float32, (2,16) float16, (4,16) bfloat16 -> 1; anything else -> 0 (out: float32, for
+ * scratch, where only the bytes matter). */
+static int
+known_dtype(DLDataType t, tm_dtype *out)
+{
+    *out = TM_FLOAT32;
+    if (t.code == kDLFloat && t.bits == 32) {
+        return 1;
+    }
+    if (t.code == kDLFloat && t.bits == 16) {
+        *out = TM_FLOAT16;
+        return 1;
+    }
+    if (t.code == kDLBfloat && t.bits == 16) {
+        *out = TM_BFLOAT16;
+        return 1;
+    }
+    return 0;
+}
+
+/* C-contiguous, ignoring the strides of size-1 dims (torch <= 2.9 rewrote them to 1). */
+static int
+is_contiguous(const DLTensor *dl)
+{
+    int64_t expected = 1;
+    for (int32_t d = dl->ndim - 1; d >= 0; d--) {
+        if (dl->shape[d] != 1 && dl->strides[d] != expected) {
+            return 0;
+        }
+        expected *= dl->shape[d];
+    }
+    return 1;
+}
+
+int
+py_check_dltensor(const DLTensor *dl, uint64_t flags, py_label lbl, unsigned opts, tm_tensor *out,
+                  size_t *nbytes)
+{
+    char a[160], s[160];
+    DLDataType t = dl->dtype;
+    out->device_type = dl->device.device_type == kDLCUDA ? TM_DEVICE_CUDA : TM_DEVICE_CPU;
+    out->device_id = dl->device.device_type == kDLCUDA ? dl->device.device_id : 0;
+    if (dl->device.device_type != kDLCPU && dl->device.device_type != kDLCUDAHost &&
+        dl->device.device_type != kDLCUDA) {
+        return py_fail(PyExc_BufferError, lbl, "device type %d is not supported (cpu or cuda)",
+                       (int)dl->device.device_type);
+    }
+    if (t.lanes != 1) {
+        return py_fail(PyExc_BufferError, lbl, "dtype %s x%u (lanes) is not supported",
+                       dtype_name(t, a, sizeof a), (unsigned)t.lanes);
+    }
+    if (!known_dtype(t, &out->dtype) && !(opts & PY_IMPORT_ANY_DTYPE)) {
+        return py_fail(PyExc_BufferError, lbl,
+                       "dtype %s is not supported (float32, float16, bfloat16)",
+                       dtype_name(t, a, sizeof a));
+    }
+    if (dl->ndim < 0 || (dl->ndim > 0 && dl->shape == NULL)) {
+        return py_fail(PyExc_BufferError, lbl, "invalid DLTensor (ndim %d without a shape)",
+                       (int)dl->ndim);
+    }
+    int64_t numel = 1;
+    for (int32_t d = 0; d < dl->ndim; d++) {
+        if (dl->shape[d] < 0 || __builtin_mul_overflow(numel, dl->shape[d], &numel)) {
+            format_dims(a, sizeof a, dl->shape, dl->ndim);
+            return py_fail(PyExc_BufferError, lbl, "invalid shape %s", a);
+        }
+    }
+    if (numel > 1 && dl->strides != NULL && !is_contiguous(dl)) {
+        format_dims(a, sizeof a, dl->shape, dl->ndim);
+        format_dims(s, sizeof s, dl->strides, dl->ndim);
+        return py_fail(PyExc_BufferError, lbl, "not contiguous (shape %s, strides %s)", a, s);
+    }
+    if (numel > 0 && dl->data == NULL) {
+        return py_fail(PyExc_BufferError, lbl, "data is NULL for %lld elements", (long long)numel);
+    }
+    out->data = dl->data != NULL ? (char *)dl->data + dl->byte_offset : NULL;
+    out->numel = numel;
+    /* A copy made by the producer is as good as read-only: writes would not reach the caller. */
+    out->flags = (flags & (DLPACK_FLAG_BITMASK_READ_ONLY | DLPACK_FLAG_BITMASK_IS_COPIED))
+                     ? TM_TENSOR_READ_ONLY
+                     : 0u;
+    if (nbytes != NULL) {
+        *nbytes = (size_t)numel * (((size_t)t.bits * t.lanes + 7) / 8);
+    }
+    return 0;
+}
+

@@ -1,0 +1,177 @@
+/*
+ * module.c -- titanmac_c._C: multi-phase initialisation (PEP 489, as CPython's xxlimited.c), the
+ * module state (titanmac_c.Error, the per-type cache of DLPack exchange tables, the intake mode,
+ * interned names) and the method table. The wrappers live in py_ops.c, the importer in
+ * dlpack_import.c.
+ *
+ * Environment, read once when the module executes:
+ *   TITANMAC_CPU_ISA  generic | avx2 | avx512 (unset or empty: the best this CPU supports)
+ *   TITANMAC_DLPACK   protocol: always use __dlpack__ (anything else: the exchange table when the
+ *                     tensor's type offers one)
+ */
+#include "py_module.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+static PyObject *
+py_cpu_isa(PyObject *module, PyObject *unused)
+{
+    (void)module;
+    (void)unused;
+    return PyUnicode_FromString(tm_cpu_isa());
+}
+
+static PyObject *
+py_cuda_compiled(PyObject *module, PyObject *unused)
+{
+    (void)module;
+    (void)unused;
+    return PyBool_FromLong(tm_cuda_compiled());
+}
+
+#define KW(fn) (PyCFunction)(void (*)(void))(fn), METH_VARARGS | METH_KEYWORDS
+
+static PyMethodDef module_methods[] = {
+    {"adamw_step", KW(py_adamw_step),
+     "adamw_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, groups, "
+     "group_of=None, *, amsgrad=False, grad_scale=None, skip=None, num_threads=1, stream=None, "
+     "scratch=None)\n--\n\nOne AdamW step over lists of tensors (tm_adamw_step)."},
+    {"adamw_scratch_bytes", KW(py_adamw_scratch_bytes),
+     "adamw_scratch_bytes(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)\n--\n\n"
+     "Bytes of scratch adamw_step needs for these tensors."},
+    {"norms", KW(py_norms),
+     "norms(grads, params, group_grad, total_grad, *, group_param=None, total_param=None, "
+     "nonfinite=None, group_of=None, num_groups=1, norm_type=2.0, num_threads=1, stream=None, "
+     "scratch=None)\n--\n\nPer-group and global p-norms of grads (and params) (tm_norms)."},
+    {"norms_scratch_bytes", KW(py_norms_scratch_bytes),
+     "norms_scratch_bytes(grads, params=None)\n--\n\nBytes of scratch norms needs."},
+    {"clip_coef", KW(py_clip_coef),
+     "clip_coef(total_norm, max_norm, coef, *, stream=None)\n--\n\n"
+     "coef = min(1, max_norm / (total_norm + 1e-6)) on the tensors' device."},
+    {"scale_", KW(py_scale),
+     "scale_(tensors, scale, *, num_threads=1, stream=None)\n--\n\nt *= scale[0] for each t."},
+    {"cpu_isa", py_cpu_isa, METH_NOARGS,
+     "cpu_isa()\n--\n\nThe CPU instruction set in use: generic, avx2 or avx512."},
+    {"_select_cpu_isa", KW(py_select_cpu_isa),
+     "_select_cpu_isa(name)\n--\n\nUse another CPU instruction set (None: the best)."},
+    {"cuda_compiled", py_cuda_compiled, METH_NOARGS,
+     "cuda_compiled()\n--\n\nTrue when this build has the CUDA backend."},
+    {"dlpack_intake", KW(py_dlpack_intake),
+     "dlpack_intake(obj=None)\n--\n\nThe intake mode ('exchange' or 'protocol'), or the path obj "
+     "would take ('exchange', 'protocol' or 'capsule')."},
+    {"_import", KW(py_import_info),
+     "_import(obj, name='tensor')\n--\n\nImport obj as the ops do; describe the result (tests)."},
+    {NULL, NULL, 0, NULL}};
+
+static int
+add_ref(PyObject *module, const char *name, PyObject *value)
+{
+    Py_INCREF(value);
+    if (PyModule_AddObject(module, name, value) < 0) {
+        Py_DECREF(value);
+        return -1;
+    }
+    return 0;
+}
+
+static int
+module_exec(PyObject *module)
+{
+    py_state *st = py_get_state(module);
+    const char *isa = getenv("TITANMAC_CPU_ISA");
+    if (tm_cpu_select_isa(isa) != TM_OK) {
+        PyErr_Format(PyExc_ValueError, "TITANMAC_CPU_ISA=%s: %s", isa ? isa : "",
+                     tm_last_error());
+        return -1;
+    }
+    const char *intake = getenv("TITANMAC_DLPACK");
+    st->intake_protocol = intake != NULL && strcmp(intake, "protocol") == 0;
+    st->error = PyErr_NewExceptionWithDoc(
+        "titanmac_c.Error",
+        "A failure inside titanmac_c: a CUDA error, an operation this build cannot run, or a bug.",
+        PyExc_RuntimeError, NULL);
+    if (st->error == NULL || add_ref(module, "Error", st->error) < 0) {
+        return -1;
+    }
+    st->s_dlpack = PyUnicode_InternFromString("__dlpack__");
+    st->s_dlpack_device = PyUnicode_InternFromString("__dlpack_device__");
+    st->s_detach = PyUnicode_InternFromString("detach");
+    st->s_exchange_api = PyUnicode_InternFromString("__dlpack_c_exchange_api__");
+    st->s_exchange_legacy = PyUnicode_InternFromString("__c_dlpack_exchange_api__");
+    st->kw_stream_version = Py_BuildValue("(ss)", "stream", "max_version");
+    st->kw_stream = Py_BuildValue("(s)", "stream");
+    st->max_version = Py_BuildValue("(ii)", TM_DLPACK_MAJOR, TM_DLPACK_MINOR);
+    st->minus_one = PyLong_FromLong(-1);
+    if (st->s_dlpack == NULL || st->s_dlpack_device == NULL || st->s_detach == NULL ||
+        st->s_exchange_api == NULL || st->s_exchange_legacy == NULL ||
+        st->kw_stream_version == NULL || st->kw_stream == NULL || st->max_version == NULL ||
+        st->minus_one == NULL) {
+        return -1;
+    }
+    return 0;
+}
+
+static int
+module_traverse(PyObject *module, visitproc visit, void *arg)
+{
+    py_state *st = py_get_state(module);
+    if (st == NULL) {
+        return 0;
+    }
+    Py_VISIT(st->error);
+    for (int i = 0; i < st->n_api; i++) {
+        Py_VISIT(st->api_cache[i].type);
+    }
+    return 0;
+}
+
+static int
+module_clear(PyObject *module)
+{
+    py_state *st = py_get_state(module);
+    if (st == NULL) {
+        return 0;
+    }
+    Py_CLEAR(st->error);
+    for (int i = 0; i < st->n_api; i++) {
+        Py_CLEAR(st->api_cache[i].type);
+    }
+    st->n_api = 0;
+    Py_CLEAR(st->s_dlpack);
+    Py_CLEAR(st->s_dlpack_device);
+    Py_CLEAR(st->s_detach);
+    Py_CLEAR(st->s_exchange_api);
+    Py_CLEAR(st->s_exchange_legacy);
+    Py_CLEAR(st->kw_stream_version);
+    Py_CLEAR(st->kw_stream);
+    Py_CLEAR(st->max_version);
+    Py_CLEAR(st->minus_one);
+    return 0;
+}
+
+static void
+module_free(void *module)
+{
+    module_clear((PyObject *)module);
+}
+
+static PyModuleDef_Slot module_slots[] = {{Py_mod_exec, (void *)module_exec}, {0, NULL}};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "titanmac_c._C",
+    .m_doc = "titanmac_c._C: fused optimizer-step kernels over lists of DLPack tensors.",
+    .m_size = sizeof(py_state),
+    .m_methods = module_methods,
+    .m_slots = module_slots,
+    .m_traverse = module_traverse,
+    .m_clear = module_clear,
+    .m_free = module_free,
+};
+
+PyMODINIT_FUNC
+PyInit__C(void)
+{
+    return PyModuleDef_Init(&module_def);
+}

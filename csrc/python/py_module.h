@@ -1,0 +1,70 @@
+/*
+ * py_module.h -- what the binding files share: the module state (the titanmac_c.Error type,
+ * the per-type cache of DLPack exchange tables, the intake mode, interned names) and the
+ * prototypes of the wrappers in py_ops.c that module.c puts in its method table.
+ *
+ * The state lives in the module object (multi-phase init, PEP 489), not in C globals; the wrappers
+ * reach it through their `module` argument.
+ */
+#ifndef TM_PY_MODULE_H
+#define TM_PY_MODULE_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include "titanmac.h"
+#include "tm_dlpack.h"
+
+#if PY_VERSION_HEX < 0x030A0000
+static inline PyObject *
+Py_NewRef(PyObject *obj)
+{
+    Py_INCREF(obj);
+    return obj;
+}
+#endif
+
+/* Types seen by the importer (torch.Tensor, nn.Parameter, numpy.ndarray, ...). A full cache only
+ * means further types are looked up on every call, never a wrong answer. */
+#define PY_API_CACHE_SIZE 16
+
+typedef struct {
+    PyTypeObject *type;           /* strong reference */
+    const DLPackExchangeAPI *api; /* NULL: the type offers no usable table */
+} py_api_entry;
+
+typedef struct {
+    PyObject *error;     /* titanmac_c.Error, a subclass of RuntimeError */
+    int intake_protocol; /* TITANMAC_DLPACK=protocol: never use the exchange table */
+    int n_api;
+    py_api_entry api_cache[PY_API_CACHE_SIZE];
+    /* interned names and constant argument tuples of the Python-protocol path */
+    PyObject *s_dlpack;          /* "__dlpack__" */
+    PyObject *s_dlpack_device;   /* "__dlpack_device__" */
+    PyObject *s_detach;          /* "detach" */
+    PyObject *s_exchange_api;    /* "__dlpack_c_exchange_api__" (DLPack 1.3, a capsule) */
+    PyObject *s_exchange_legacy; /* "__c_dlpack_exchange_api__" (DLPack 1.2, int or capsule) */
+    PyObject *kw_stream_version; /* ("stream", "max_version") */
+    PyObject *kw_stream;         /* ("stream",) */
+    PyObject *max_version;       /* (TM_DLPACK_MAJOR, TM_DLPACK_MINOR) */
+    PyObject *minus_one;         /* -1: "producer must not synchronize" (CUDA stream argument) */
+} py_state;
+
+static inline py_state *
+py_get_state(PyObject *module)
+{
+    return (py_state *)PyModule_GetState(module);
+}
+
+/* py_ops.c: one wrapper per C API function (METH_VARARGS | METH_KEYWORDS). */
+PyObject *py_adamw_step(PyObject *module, PyObject *args, PyObject *kwargs);
+PyObject *py_adamw_scratch_bytes(PyObject *module, PyObject *args, PyObject *kwargs);
+PyObject *py_norms(PyObject *module, PyObject *args, PyObject *kwargs);
+PyObject *py_norms_scratch_bytes(PyObject *module, PyObject *args, PyObject *kwargs);
+PyObject *py_clip_coef(PyObject *module, PyObject *args, PyObject *kwargs);
+PyObject *py_scale(PyObject *module, PyObject *args, PyObject *kwargs);
+PyObject *py_select_cpu_isa(PyObject *module, PyObject *args, PyObject *kwargs);
+PyObject *py_dlpack_intake(PyObject *module, PyObject *args, PyObject *kwargs);
+PyObject *py_import_info(PyObject *module, PyObject *args, PyObject *kwargs);
+
+#endif /* TM_PY_MODULE_H */

@@ -1,0 +1,268 @@
+/*
+ * py_ops.c -- one wrapper per function of titanmac.h: parse the arguments, import every tensor of
+ * every list (dlpack_import.c), make one tm_* call -- with the GIL released when the tensors are on
+ * the CPU -- release the imports, then map the status to an exception (py_call.c). Validation of
+ * counts, numels, dtypes, devices and hyperparameters is the C core's; here only what the core
+ * cannot see: Python types and the length of host arrays. The call's device is the first tensor's
+ * (the core rejects mixed devices).
+ */
+#include "py_call.h"
+#include "tm_tensor.h"
+
+/* ---------------------------------------------------------------- AdamW ---- */
+
+static int
+import_adamw_lists(py_batch *b, PyObject *const lists[6], tm_adamw_tensors *t)
+{
+    return py_import_list(b, lists[0], "params", 0, &t->params) < 0 ||
+                   py_import_list(b, lists[1], "grads", 0, &t->grads) < 0 ||
+                   py_import_list(b, lists[2], "exp_avg", 0, &t->exp_avg) < 0 ||
+                   py_import_list(b, lists[3], "exp_avg_sq", 0, &t->exp_avg_sq) < 0 ||
+                   py_import_list(b, lists[4], "max_exp_avg_sq", 1, &t->max_exp_avg_sq) < 0 ||
+                   py_import_list(b, lists[5], "step", 0, &t->step) < 0
+               ? -1
+               : 0;
+}
+
+PyObject *
+py_adamw_step(PyObject *module, PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {"params", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs",
+                             "steps", "lr", "groups", "group_of", "amsgrad", "grad_scale", "skip",
+                             "num_threads", "stream", "scratch", NULL};
+    PyObject *l[6], *lr, *groups, *group_of = Py_None, *grad_scale = Py_None, *skip = Py_None;
+    PyObject *stream = Py_None, *scratch = Py_None;
+    int amsgrad = 0, num_threads = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOOO|O$pOOiOO:adamw_step", kwlist, &l[0],
+                                     &l[1], &l[2], &l[3], &l[4], &l[5], &lr, &groups, &group_of,
+                                     &amsgrad, &grad_scale, &skip, &num_threads, &stream,
+                                     &scratch)) {
+        return NULL;
+    }
+    py_batch b;
+    py_call c = {.heap = NULL};
+    tm_adamw_tensors t;
+    tm_adamw_args a = {.amsgrad = amsgrad};
+    tm_adamw_inputs in;
+    tm_status status = TM_OK;
+    int ran = 0;
+    py_batch_init(&b, py_get_state(module));
+    if (import_adamw_lists(&b, l, &t) < 0 ||
+        py_import(&b, lr, "lr", -1, 0, &in.lr, NULL, NULL) < 0 ||
+        py_import_optional(&b, grad_scale, "grad_scale", &in.grad_scale) < 0 ||
+        py_import_optional(&b, skip, "skip", &in.skip) < 0 || py_parse_groups(&b, groups, &a) < 0 ||
+        py_parse_group_of(&b, group_of, t.params.count, "params", &a.group_of) < 0 ||
+        py_setup_call(&b, py_first_or(&t.params, &in.lr), num_threads, stream, scratch,
+                      tm_adamw_scratch_bytes(&t), "adamw_scratch_bytes", &c) < 0) {
+        goto done;
+    }
+    PY_RUN(c, status, tm_adamw_step(&t, &a, &in, &c.ex));
+    ran = 1;
+done:
+    return py_finish(&b, &c, ran, status);
+}
+
+PyObject *
+py_adamw_scratch_bytes(PyObject *module, PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {"params", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs",
+                             "steps", NULL};
+    PyObject *l[6];
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOO:adamw_scratch_bytes", kwlist, &l[0],
+                                     &l[1], &l[2], &l[3], &l[4], &l[5])) {
+        return NULL;
+    }
+    py_batch b;
+    tm_adamw_tensors t;
+    PyObject *result = NULL;
+    py_batch_init(&b, py_get_state(module));
+    if (import_adamw_lists(&b, l, &t) == 0) {
+        result = PyLong_FromSize_t(tm_adamw_scratch_bytes(&t));
+    }
+    py_batch_release(&b);
+    return result;
+}
+
+/* ---------------------------------------------------------------- norms, clip, scale ---- */
+
+PyObject *
+py_norms(PyObject *module, PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {"grads", "params", "group_grad", "total_grad", "group_param",
+                             "total_param", "nonfinite", "group_of", "num_groups", "norm_type",
+                             "num_threads", "stream", "scratch", NULL};
+    PyObject *grads, *params, *group_grad, *total_grad, *group_param = Py_None;
+    PyObject *total_param = Py_None, *nonfinite = Py_None, *group_of = Py_None;
+    PyObject *stream = Py_None, *scratch = Py_None;
+    tm_norms_args a = {.norm_type = 2.0, .num_groups = 1, .group_of = NULL};
+    int num_threads = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOO|$OOOOidiOO:norms", kwlist, &grads, &params,
+                                     &group_grad, &total_grad, &group_param, &total_param,
+                                     &nonfinite, &group_of, &a.num_groups, &a.norm_type,
+                                     &num_threads, &stream, &scratch)) {
+        return NULL;
+    }
+    py_batch b;
+    py_call c = {.heap = NULL};
+    tm_tensor_list g, p;
+    tm_norms_out out;
+    tm_status status = TM_OK;
+    int ran = 0;
+    py_batch_init(&b, py_get_state(module));
+    if (py_import_list(&b, grads, "grads", 0, &g) < 0 ||
+        py_import_list(&b, params, "params", 1, &p) < 0 ||
+        py_import(&b, group_grad, "group_grad", -1, 0, &out.group_grad, NULL, NULL) < 0 ||
+        py_import(&b, total_grad, "total_grad", -1, 0, &out.total_grad, NULL, NULL) < 0 ||
+        py_import_optional(&b, group_param, "group_param", &out.group_param) < 0 ||
+        py_import_optional(&b, total_param, "total_param", &out.total_param) < 0 ||
+        py_import_optional(&b, nonfinite, "nonfinite", &out.nonfinite) < 0 ||
+        py_parse_group_of(&b, group_of, g.count, "grads", &a.group_of) < 0) {
+        goto done;
+    }
+    const tm_tensor_list *pp = params == Py_None ? NULL : &p;
+    if (py_setup_call(&b, py_first_or(&g, &out.group_grad), num_threads, stream, scratch,
+                      tm_norms_scratch_bytes(&g, pp), "norms_scratch_bytes", &c) < 0) {
+        goto done;
+    }
+    PY_RUN(c, status, tm_norms(&g, pp, &a, &out, &c.ex));
+    ran = 1;
+done:
+    return py_finish(&b, &c, ran, status);
+}
+
+PyObject *
+py_norms_scratch_bytes(PyObject *module, PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {"grads", "params", NULL};
+    PyObject *grads, *params = Py_None, *result = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|O:norms_scratch_bytes", kwlist, &grads,
+                                     &params)) {
+        return NULL;
+    }
+    py_batch b;
+    tm_tensor_list g, p;
+    py_batch_init(&b, py_get_state(module));
+    if (py_import_list(&b, grads, "grads", 0, &g) == 0 &&
+        py_import_list(&b, params, "params", 1, &p) == 0) {
+        result = PyLong_FromSize_t(tm_norms_scratch_bytes(&g, params == Py_None ? NULL : &p));
+    }
+    py_batch_release(&b);
+    return result;
+}
+
+PyObject *
+py_clip_coef(PyObject *module, PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {"total_norm", "max_norm", "coef", "stream", NULL};
+    PyObject *total_norm, *coef, *stream = Py_None;
+    double max_norm;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OdO|$O:clip_coef", kwlist, &total_norm,
+                                     &max_norm, &coef, &stream)) {
+        return NULL;
+    }
+    py_batch b;
+    py_call c = {.heap = NULL};
+    tm_tensor n, k;
+    tm_status status = TM_OK;
+    int ran = 0;
+    py_batch_init(&b, py_get_state(module));
+    if (py_import(&b, total_norm, "total_norm", -1, 0, &n, NULL, NULL) < 0 ||
+        py_import(&b, coef, "coef", -1, 0, &k, NULL, NULL) < 0 ||
+        py_setup_call(&b, &n, 1, stream, Py_None, 0, "", &c) < 0) {
+        goto done;
+    }
+    /* two scalars: not worth releasing the GIL */
+    status = tm_clip_coef(&n, max_norm, &k, &c.ex);
+    ran = 1;
+done:
+    return py_finish(&b, &c, ran, status);
+}
+
+PyObject *
+py_scale(PyObject *module, PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {"tensors", "scale", "num_threads", "stream", NULL};
+    PyObject *tensors, *scale, *stream = Py_None;
+    int num_threads = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO|$iO:scale_", kwlist, &tensors, &scale,
+                                     &num_threads, &stream)) {
+        return NULL;
+    }
+    py_batch b;
+    py_call c = {.heap = NULL};
+    tm_tensor_list t;
+    tm_tensor s;
+    tm_status status = TM_OK;
+    int ran = 0;
+    py_batch_init(&b, py_get_state(module));
+    if (py_import_list(&b, tensors, "tensors", 0, &t) < 0 ||
+        py_import(&b, scale, "scale", -1, 0, &s, NULL, NULL) < 0 ||
+        py_setup_call(&b, py_first_or(&t, &s), num_threads, stream, Py_None, 0, "", &c) < 0) {
+        goto done;
+    }
+    PY_RUN(c, status, tm_scale(&t, &s, &c.ex));
+    ran = 1;
+done:
+    return py_finish(&b, &c, ran, status);
+}
+
+/* ---------------------------------------------------------------- introspection ---- */
+
+PyObject *
+py_select_cpu_isa(PyObject *module, PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {"name", NULL};
+    const char *name = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "z:_select_cpu_isa", kwlist, &name)) {
+        return NULL;
+    }
+    tm_status status = tm_cpu_select_isa(name);
+    if (status != TM_OK) {
+        return py_raise_status(py_get_state(module), status);
+    }
+    Py_RETURN_NONE;
+}
+
+PyObject *
+py_dlpack_intake(PyObject *module, PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {"obj", NULL};
+    PyObject *obj = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|O:dlpack_intake", kwlist, &obj)) {
+        return NULL;
+    }
+    py_state *st = py_get_state(module);
+    if (obj == Py_None) {
+        return PyUnicode_FromString(st->intake_protocol ? "protocol" : "exchange");
+    }
+    if (PyCapsule_CheckExact(obj)) {
+        return PyUnicode_FromString("capsule");
+    }
+    return PyUnicode_FromString(py_exchange_api(st, Py_TYPE(obj)) ? "exchange" : "protocol");
+}
+
+PyObject *
+py_import_info(PyObject *module, PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {"obj", "name", NULL};
+    static const char *const paths[] = {"exchange", "protocol", "capsule"};
+    PyObject *obj;
+    const char *name = "tensor";
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|s:_import", kwlist, &obj, &name)) {
+        return NULL;
+    }
+    py_batch b;
+    tm_tensor t;
+    py_path path;
+    py_batch_init(&b, py_get_state(module));
+    int rc = py_import(&b, obj, name, -1, 0, &t, &path, NULL);
+    py_batch_release(&b);
+    if (rc < 0) {
+        return NULL;
+    }
+    return Py_BuildValue("{s:N,s:L,s:s,s:(ii),s:O,s:s}", "data", PyLong_FromVoidPtr(t.data),
+                         "numel", (long long)t.numel, "dtype", tm_dtype_name(t.dtype), "device",
+                         (int)t.device_type, (int)t.device_id, "read_only",
+                         (t.flags & TM_TENSOR_READ_ONLY) ? Py_True : Py_False, "path",
+                         paths[path]);
+}

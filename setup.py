@@ -1,0 +1,214 @@
+"""Build titanmac_c._C: one C11 extension (plus CUDA objects when nvcc is there).
+
+No torch at build time: tensors come in through DLPack. The C sources are every *.c under
+csrc/{common,core,cpu,python}; the ISA files get their own flags; csrc/cuda/*.cu go through nvcc.
+All objects compile in a thread pool, then one link (as llm.c's Makefile and apex's setup.py do).
+
+Environment (defaults first):
+  TITANMAC_WITH_CUDA   auto | 0 | 1   auto: CUDA when nvcc is found and csrc/cuda has .cu files;
+                                      1: CUDA required (fail without nvcc)
+  TITANMAC_CUDA_ARCHS  "75;80;86;89;90;120"  SASS for each ("90", "90a", "9.0" accepted),
+                                             plus PTX of the highest for newer GPUs; the
+                                             default drops those nvcc cannot build
+  TITANMAC_OPENMP      1 | 0          -fopenmp
+  TITANMAC_NATIVE      0 | 1          -march=native (never in a build meant for other machines)
+  TITANMAC_WERROR      0 | 1          -Werror
+  TITANMAC_SANITIZE    0 | 1          -fsanitize=address,undefined (load with libasan preloaded)
+  CUDA_HOME / CUDA_PATH               where to look for nvcc and libcudart_static first
+"""
+
+import glob
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+C_DIRS = ["csrc/common", "csrc/core", "csrc/cpu", "csrc/python"]
+INCLUDE_DIRS = ["csrc/include", "csrc/common", "csrc/cpu", "csrc/cuda", "csrc/core", "csrc/python"]
+C_FLAGS = ["-std=c11", "-O3", "-Wall", "-Wextra", "-fvisibility=hidden", "-fno-math-errno"]
+NVCC_FLAGS = ["-std=c++17", "-O3", "-lineinfo", "-Xcompiler", "-fPIC",
+              "-Xcompiler", "-fvisibility=hidden"]
+DEFAULT_ARCHS = "75;80;86;89;90;120"
+IS_X86_64 = platform.machine().lower() in ("x86_64", "amd64")
+ISA_FLAGS = {
+    "csrc/cpu/cpu_avx2.c": ["-mavx2", "-mfma", "-mf16c"],
+    "csrc/cpu/cpu_avx512.c": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma", "-mf16c"],
+} if IS_X86_64 else {}
+
+
+def env_on(name, default):
+    value = os.environ.get(name, default).strip().lower()
+    if value not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
+        raise SystemExit(f"titanmac_c: {name}={value!r}: expected 0 or 1")
+    return value in ("1", "true", "yes", "on")
+
+
+def c_sources():
+    return [p for d in C_DIRS for p in sorted(glob.glob(os.path.join(d, "*.c")))]
+
+
+def find_cuda():
+    """(nvcc, directory holding libcudart_static.a), or (None, None)."""
+    homes = [os.environ.get(v) for v in ("CUDA_HOME", "CUDA_PATH")] + ["/usr/local/cuda"]
+    candidates = [(os.path.join(h, "bin", "nvcc"), h) for h in homes if h]
+    on_path = shutil.which("nvcc")
+    if on_path:
+        candidates.append((on_path, os.path.dirname(os.path.dirname(os.path.realpath(on_path)))))
+    for nvcc, home in candidates:
+        if os.path.isfile(nvcc) and os.access(nvcc, os.X_OK):
+            target = "sbsa-linux" if platform.machine() == "aarch64" else "x86_64-linux"
+            for lib in (os.path.join(home, "lib64"), os.path.join(home, "targets", target, "lib"),
+                        os.path.join(home, "lib"), "/usr/local/cuda/lib64"):
+                if os.path.isfile(os.path.join(lib, "libcudart_static.a")):
+                    return nvcc, lib
+            return nvcc, None
+    return None, None
+
+
+def default_archs(nvcc):
+    """DEFAULT_ARCHS less those this nvcc cannot build (CUDA 13 has no sm_70, 12.0 no sm_120)."""
+    try:
+        out = subprocess.run([nvcc, "--list-gpu-code"], capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return DEFAULT_ARCHS
+    known = set(re.findall(r"sm_(\w+)", out.stdout))
+    return ";".join(a for a in DEFAULT_ARCHS.split(";") if a in known) or DEFAULT_ARCHS
+
+
+def gencode_flags(archs):
+    """"90;90a;120" -> -gencode SASS for each entry, plus PTX of the highest (newer GPUs JIT it)."""
+    flags, numbers = [], []
+    for entry in re.split(r"[;,\s]+", archs.strip()):
+        arch = entry.replace(".", "")
+        if not arch:
+            continue
+        if not re.fullmatch(r"\d+[af]?", arch):
+            raise SystemExit(f"titanmac_c: TITANMAC_CUDA_ARCHS entry {entry!r}: "
+                             "expected e.g. 90 or 90a")
+        flags += ["-gencode", f"arch=compute_{arch},code=sm_{arch}"]
+        numbers.append(int(re.match(r"\d+", arch).group()))
+    if not numbers:
+        raise SystemExit("titanmac_c: TITANMAC_CUDA_ARCHS is empty")
+    top = max(numbers)
+    return flags + ["-gencode", f"arch=compute_{top},code=compute_{top}"]
+
+
+class BuildExt(build_ext):
+    """Compiles every object of the extension in a thread pool (C with per-file ISA flags, CUDA
+    with nvcc), skipping objects whose source, headers and command are unchanged, then links."""
+
+    def build_extension(self, ext):
+        cuda_mode = os.environ.get("TITANMAC_WITH_CUDA", "auto").strip().lower()
+        if cuda_mode not in ("auto", "0", "1"):
+            raise SystemExit(f"titanmac_c: TITANMAC_WITH_CUDA={cuda_mode!r}: expected auto, 0 or 1")
+        cu_files = sorted(glob.glob("csrc/cuda/*.cu"))
+        nvcc, cuda_lib = find_cuda() if cuda_mode != "0" else (None, None)
+        missing = ("TITANMAC_WITH_CUDA=0" if cuda_mode == "0" else
+                   "nvcc was not found (set CUDA_HOME)" if nvcc is None else
+                   f"libcudart_static.a was not found next to {nvcc}" if cuda_lib is None else
+                   "csrc/cuda has no .cu files" if not cu_files else None)
+        if cuda_mode == "1" and missing:
+            raise SystemExit(f"titanmac_c: TITANMAC_WITH_CUDA=1 but {missing}")
+        with_cuda = missing is None
+
+        cflags = list(C_FLAGS)
+        ldflags, libraries, library_dirs = [], [], []
+        if env_on("TITANMAC_OPENMP", "1"):
+            cflags.append("-fopenmp")
+            ldflags.append("-fopenmp")
+        if env_on("TITANMAC_NATIVE", "0"):
+            cflags.append("-march=native")
+        if env_on("TITANMAC_WERROR", "0"):
+            cflags.append("-Werror")
+        if env_on("TITANMAC_SANITIZE", "0"):
+            san = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer"]
+            cflags += san
+            ldflags += san
+        macros = [("TM_WITH_CUDA", "1")] if with_cuda else []
+        if with_cuda:
+            libraries += ["cudart_static", "rt", "pthread", "dl", "stdc++"]
+            library_dirs.append(cuda_lib)
+            ldflags.append("-Wl,--exclude-libs,ALL")  # keep cudart's symbols out of our exports
+
+        archs = os.environ.get("TITANMAC_CUDA_ARCHS") or (default_archs(nvcc) if with_cuda else "")
+        print("titanmac_c: building backends: cpu ({}{}){}".format(
+            "generic" + (", avx2, avx512" if IS_X86_64 else ""),
+            ", openmp" if "-fopenmp" in cflags else "",
+            f" + cuda (archs {archs}, {nvcc})" if with_cuda else f" only (no CUDA: {missing})"),
+            flush=True)
+
+        jobs = [self._c_job(ext, src, cflags + ISA_FLAGS.get(src, []), macros)
+                for src in ext.sources]
+        if with_cuda:
+            incs = [f"-I{d}" for d in ext.include_dirs]
+            nvflags = NVCC_FLAGS + ["-DTM_WITH_CUDA=1"] + incs + gencode_flags(archs)
+            jobs += [self._nvcc_job(nvcc, src, nvflags) for src in cu_files]
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            objects = list(pool.map(lambda job: job(), jobs))
+
+        self.compiler.link_shared_object(
+            objects, self.get_ext_fullpath(ext.name), libraries=libraries,
+            library_dirs=library_dirs, extra_postargs=ldflags,
+            export_symbols=self.get_export_symbols(ext), build_temp=self.build_temp,
+            target_lang="c")
+
+    # -- one object per source; each job returns the object path ------------------------------
+
+    def _object(self, src, suffix):
+        obj = os.path.join(self.build_temp, os.path.splitext(src)[0] + suffix)
+        os.makedirs(os.path.dirname(obj), exist_ok=True)
+        return obj
+
+    def _fresh(self, src, obj, command):
+        """True when obj was built by the same command after src and every header changed."""
+        stamp = obj + ".cmd"
+        if self.force or not os.path.exists(obj) or not os.path.exists(stamp):
+            return False
+        with open(stamp) as f:
+            if f.read() != json.dumps(command):
+                return False
+        headers = [h for pattern in ("csrc/**/*.h", "csrc/**/*.cuh")
+                   for h in glob.glob(pattern, recursive=True)]
+        newest = max(os.path.getmtime(p) for p in [src] + headers)
+        return os.path.getmtime(obj) >= newest
+
+    def _c_job(self, ext, src, flags, macros):
+        obj = self._object(src, ".o")
+        key = [self.compiler.compiler_so, flags, macros, ext.include_dirs]
+
+        def run():
+            if not self._fresh(src, obj, key):
+                built = self.compiler.compile([src], output_dir=self.build_temp, macros=macros,
+                                              include_dirs=ext.include_dirs, extra_postargs=flags)
+                assert os.path.abspath(built[0]) == os.path.abspath(obj), (built, obj)
+                with open(obj + ".cmd", "w") as f:
+                    f.write(json.dumps(key))
+            return obj
+        return run
+
+    def _nvcc_job(self, nvcc, src, flags):
+        obj = self._object(src, ".cu.o")
+        command = [nvcc, "-c", src, "-o", obj] + flags
+
+        def run():
+            if not self._fresh(src, obj, command):
+                print(" ".join(command), flush=True)
+                subprocess.run(command, check=True)
+                with open(obj + ".cmd", "w") as f:
+                    f.write(json.dumps(command))
+            return obj
+        return run
+
+
+setup(
+    ext_modules=[Extension("titanmac_c._C", sources=c_sources(), include_dirs=INCLUDE_DIRS,
+                           language="c")],
+    cmdclass={"build_ext": BuildExt},
+)

@@ -1,0 +1,57 @@
+"""Shared fixtures: the devices every parity test runs on, dtypes, tolerances, sizes.
+
+CUDA tests run when the extension has the CUDA backend and torch sees a GPU; otherwise they are
+reported as skipped (never as passed).
+"""
+
+import pytest
+import torch
+
+import titanmac_c
+
+CUDA = titanmac_c.cuda_available()
+
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not CUDA, reason="no CUDA device or backend")),
+]
+
+# Sizes from apex/STYLE: 1, 3, 255, a block + 1, a CUDA chunk + 1, apex's odd size.
+SIZES = [1, 3, 255, 4097, 65537, 278011]
+
+# Element-wise tolerances against torch: fp32 within 1e-6 relative (plus a tiny absolute floor
+# for elements near zero); bf16/fp16 within a couple of units of their rounding.
+TOL = {
+    torch.float32: dict(rtol=1e-6, atol=1e-7),
+    torch.float16: dict(rtol=2e-3, atol=1e-5),
+    torch.bfloat16: dict(rtol=1.6e-2, atol=1e-5),
+}
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+    yield
+
+
+def make_params(sizes, device="cpu", dtype=torch.float32, misaligned=True):
+    """nn.Parameters of the given sizes; with misaligned, one more that is a view at element
+    offset 1 of a larger tensor (so its data is not 16-byte aligned)."""
+    params = [torch.nn.Parameter(torch.randn(n, device=device, dtype=dtype)) for n in sizes]
+    if misaligned:
+        base = torch.randn(1 + 1000, device=device, dtype=dtype)
+        params.append(torch.nn.Parameter(base[1:]))
+    return params
+
+
+def set_grads(params_a, params_b, step, scale=1.0):
+    """Give two parameter lists identical pseudo-random gradients for this step."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    for pa, pb in zip(params_a, params_b):
+        g = torch.randn(pa.shape, generator=gen) * scale
+        pa.grad = g.to(device=pa.device, dtype=pa.dtype, copy=True)
+        pb.grad = g.to(device=pb.device, dtype=pb.dtype, copy=True)
+
+
+def clone_params(params):
+    return [torch.nn.Parameter(p.detach().clone()) for p in params]

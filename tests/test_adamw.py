@@ -1,0 +1,172 @@
+"""titanmac_c.AdamW against torch.optim.AdamW, element by element, over 20+ steps."""
+
+import pytest
+import torch
+
+import titanmac_c
+from conftest import DEVICES, SIZES, TOL, clone_params, make_params, set_grads
+
+STEPS = 20
+
+
+def groups_of(params, lrs, weight_decays, betas=None):
+    """Split params round-robin into len(lrs) groups with their own lr / weight decay / betas."""
+    n = len(lrs)
+    groups = []
+    for k in range(n):
+        g = {"params": params[k::n], "lr": lrs[k], "weight_decay": weight_decays[k]}
+        if betas is not None:
+            g["betas"] = betas[k]
+        groups.append(g)
+    return groups
+
+
+def run_pair(ours, theirs, params_a, params_b, steps=STEPS, grad_scale=1.0, sched=None):
+    for step in range(steps):
+        set_grads(params_a, params_b, step, grad_scale)
+        ours.step()
+        theirs.step()
+        if sched is not None:
+            for s in sched:
+                s.step()
+
+
+def assert_state_close(ours, theirs, params_a, params_b, tol):
+    for pa, pb in zip(params_a, params_b):
+        torch.testing.assert_close(pa.detach().cpu(), pb.detach().cpu(), **tol)
+        sa, sb = ours.state[pa], theirs.state[pb]
+        assert sa.keys() == sb.keys()
+        for key in sa:
+            if key == "step":
+                assert float(sa[key]) == float(sb[key])
+            else:
+                torch.testing.assert_close(sa[key].cpu(), sb[key].cpu(), **tol)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("amsgrad", [False, True])
+@pytest.mark.parametrize("maximize", [False, True])
+def test_parity_fp32_groups(device, amsgrad, maximize):
+    params_a = make_params(SIZES, device)
+    params_b = clone_params(params_a)
+    lrs, wds = [1e-3, 3e-3, 5e-4], [0.0, 0.01, 0.1]
+    betas = [(0.9, 0.999), (0.8, 0.99), (0.95, 0.9999)]
+    kw = dict(amsgrad=amsgrad, maximize=maximize, eps=1e-8)
+    ours = titanmac_c.AdamW(groups_of(params_a, lrs, wds, betas), **kw)
+    theirs = torch.optim.AdamW(groups_of(params_b, lrs, wds, betas), **kw)
+    run_pair(ours, theirs, params_a, params_b)
+    assert_state_close(ours, theirs, params_a, params_b, TOL[torch.float32])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_parity_tensor_lr_and_scheduler(device):
+    params_a = make_params([3, 255, 4097], device)
+    params_b = clone_params(params_a)
+    lr = torch.tensor(2e-3)
+    ours = titanmac_c.AdamW(params_a, lr=lr, weight_decay=0.05)
+    theirs = torch.optim.AdamW(params_b, lr=lr.clone(), weight_decay=0.05)
+    scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=5, gamma=0.5) for o in (ours, theirs)]
+    run_pair(ours, theirs, params_a, params_b, steps=25, sched=scheds)
+    assert_state_close(ours, theirs, params_a, params_b, TOL[torch.float32])
+    assert float(ours.param_groups[0]["lr"]) == pytest.approx(2e-3 * 0.5 ** 5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_parity_float_lr_cosine_schedule(device):
+    params_a = make_params([65537, 7], device)
+    params_b = clone_params(params_a)
+    ours = titanmac_c.AdamW(params_a, lr=1e-2)
+    theirs = torch.optim.AdamW(params_b, lr=1e-2)
+    scheds = [torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=20) for o in (ours, theirs)]
+    run_pair(ours, theirs, params_a, params_b, steps=22, sched=scheds)
+    assert_state_close(ours, theirs, params_a, params_b, TOL[torch.float32])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_parity_low_precision(device, dtype, amsgrad):
+    """bf16/fp16 parameters and state: math in fp32, one rounding per store, like torch's fused
+    AdamW (torch's for-loop rounds after every op, so fused is the reference here)."""
+    params_a = make_params([1, 255, 4097, 65537], device, dtype)
+    params_b = clone_params(params_a)
+    kw = dict(lr=1e-2, weight_decay=0.01, amsgrad=amsgrad)
+    ours = titanmac_c.AdamW(params_a, **kw)
+    theirs = torch.optim.AdamW(params_b, fused=True, **kw)
+    run_pair(ours, theirs, params_a, params_b)
+    assert_state_close(ours, theirs, params_a, params_b, TOL[dtype])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mixed_dtypes_in_one_optimizer(device):
+    params_a = (make_params([300], device, torch.float32, misaligned=False)
+                + make_params([300], device, torch.bfloat16, misaligned=False)
+                + make_params([300], device, torch.float16, misaligned=False))
+    params_b = clone_params(params_a)
+    ours = titanmac_c.AdamW(params_a, lr=1e-2)
+    theirs = torch.optim.AdamW(params_b, lr=1e-2, fused=True)
+    run_pair(ours, theirs, params_a, params_b, steps=10)
+    for pa, pb in zip(params_a, params_b):
+        torch.testing.assert_close(pa.detach(), pb.detach(), **TOL[pa.dtype])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_what_torch_accepts_zero_size_no_grad_empty_group(device):
+    """Zero-size parameters, parameters without gradients and empty groups behave as in torch."""
+    sizes = [0, 5, 0, 17]
+    params_a = make_params(sizes, device, misaligned=False)
+    params_b = clone_params(params_a)
+    extra_a = torch.nn.Parameter(torch.randn(4, device=device))
+    extra_b = torch.nn.Parameter(extra_a.detach().clone())
+    ours = titanmac_c.AdamW([{"params": params_a}, {"params": []}, {"params": [extra_a]}])
+    theirs = torch.optim.AdamW([{"params": params_b}, {"params": []}, {"params": [extra_b]}])
+    for step in range(7):
+        set_grads(params_a, params_b, step)  # extra_* never gets a gradient
+        ours.step()
+        theirs.step()
+    assert_state_close(ours, theirs, params_a, params_b, TOL[torch.float32])
+    assert extra_a not in ours.state and extra_b not in theirs.state
+    assert torch.equal(extra_a, extra_b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_some_grads_none_some_steps(device):
+    """A parameter that misses gradients on some steps keeps its own step count, as in torch."""
+    params_a = make_params([10, 20, 30], device, misaligned=False)
+    params_b = clone_params(params_a)
+    ours = titanmac_c.AdamW(params_a, lr=1e-2)
+    theirs = torch.optim.AdamW(params_b, lr=1e-2)
+    for step in range(12):
+        set_grads(params_a, params_b, step)
+        if step % 3 == 0:
+            params_a[1].grad = None
+            params_b[1].grad = None
+        ours.step()
+        theirs.step()
+    assert_state_close(ours, theirs, params_a, params_b, TOL[torch.float32])
+
+
+def test_closure_returns_loss():
+    p = torch.nn.Parameter(torch.tensor([1.0, -2.0]))
+    opt = titanmac_c.AdamW([p], lr=0.1)
+
+    def closure():
+        opt.zero_grad()
+        loss = (p ** 2).sum()
+        loss.backward()
+        return loss
+
+    loss = opt.step(closure)
+    assert float(loss) == 5.0
+    assert torch.all(p.detach().abs() < torch.tensor([1.0, 2.0]))
+
+
+def test_fp32_mostly_bitwise_equal_to_torch():
+    """The element math follows torch's for-loop order: most elements agree to the last bit."""
+    params_a = make_params([65537], "cpu", misaligned=False)
+    params_b = clone_params(params_a)
+    ours = titanmac_c.AdamW(params_a, lr=1e-3, weight_decay=0.01)
+    theirs = torch.optim.AdamW(params_b, lr=1e-3, weight_decay=0.01)
+    run_pair(ours, theirs, params_a, params_b, steps=5)
+    same = (params_a[0].detach() == params_b[0].detach()).float().mean().item()
+    assert same > 0.9, f"only {same:.3f} of the elements are bitwise equal"

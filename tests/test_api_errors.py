@@ -1,0 +1,238 @@
+"""Bad input: each case raises an exception that names the tensor and the problem, and leaves
+parameters and optimizer state bitwise unchanged."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import titanmac_c
+from titanmac_c import _C
+
+
+def _setup(n_groups=2, amsgrad=False):
+    params = [torch.nn.Parameter(torch.randn(n)) for n in (5, 7, 9, 11)]
+    groups = [{"params": params[k::n_groups]} for k in range(n_groups)]
+    opt = titanmac_c.AdamW(groups, lr=1e-2, weight_decay=0.1, amsgrad=amsgrad)
+    for step in range(2):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+    for p in params:
+        p.grad = torch.randn_like(p)
+    return opt, params
+
+
+def _snapshot(opt, params):
+    state = {id(p): {k: v.clone() for k, v in opt.state[p].items()} for p in opt.state}
+    return [p.detach().clone() for p in params], state, len(opt.state)
+
+
+def _assert_unchanged(opt, params, snap):
+    values, state, n_state = snap
+    for p, v in zip(params, values):
+        assert torch.equal(p.detach(), v), "a parameter changed"
+    assert len(opt.state) == n_state, "state entries were added"
+    for p in opt.state:
+        for k, v in state[id(p)].items():
+            now = opt.state[p][k]
+            if v.device.type == "meta":  # a planted bad tensor: no data to compare
+                assert now.device.type == "meta"
+                continue
+            assert now.dtype == v.dtype and torch.equal(now, v), f"state {k} changed"
+
+
+def _expect(opt, params, exc, match, action=None):
+    snap = _snapshot(opt, params)
+    with pytest.raises(exc, match=match):
+        (action or opt.step)()
+    _assert_unchanged(opt, params, snap)
+
+
+# --------------------------------------------------------------- corrupted state
+
+
+def test_state_dtype_mismatch():
+    opt, params = _setup()
+    opt.state[params[2]]["exp_avg"] = opt.state[params[2]]["exp_avg"].to(torch.bfloat16)
+    _expect(opt, params, ValueError,
+            r"exp_avg\[\d\]: dtype bfloat16 does not match params\[\d\] dtype float32 "
+            r"\(param_groups\[0\]\['params'\]\[1\]\)")
+
+
+def test_state_unsupported_dtype():
+    opt, params = _setup()
+    opt.state[params[1]]["exp_avg_sq"] = opt.state[params[1]]["exp_avg_sq"].double()
+    _expect(opt, params, BufferError, r"exp_avg_sq\[\d\]: dtype float64 is not supported")
+
+
+def test_state_size_mismatch():
+    opt, params = _setup()
+    opt.state[params[3]]["exp_avg_sq"] = torch.zeros(12)
+    _expect(opt, params, ValueError,
+            r"exp_avg_sq\[\d\]: numel 12 does not match params\[\d\] numel 11 "
+            r"\(param_groups\[1\]\['params'\]\[1\]\)")
+
+
+def test_step_tensor_corrupted():
+    opt, params = _setup()
+    opt.state[params[0]]["step"] = torch.zeros(3)
+    _expect(opt, params, ValueError, r"step\[0\]: expected float32 with 1 element")
+
+
+def test_state_aliasing_param():
+    opt, params = _setup()
+    opt.state[params[1]]["exp_avg"] = params[1].data
+    _expect(opt, params, ValueError, r"exp_avg\[\d\]: shares memory with params\[\d\]")
+
+
+def test_state_on_meta_device():
+    opt, params = _setup()
+    opt.state[params[0]]["exp_avg"] = torch.zeros(5, device="meta")
+    _expect(opt, params, BufferError, r"exp_avg\[0\]")
+
+
+def test_corrupted_state_through_load_state_dict():
+    opt, params = _setup()
+    sd = opt.state_dict()
+    sd["state"][2]["exp_avg"] = torch.zeros(4)  # params[2] has 9 elements
+    _expect(opt, params, ValueError,
+            r"load_state_dict: param_groups\[1\]\['params'\]\[0\]: exp_avg has shape \(4,\), "
+            r"but the parameter has shape \(7,\)|load_state_dict: .*exp_avg has shape \(4,\)",
+            lambda: opt.load_state_dict(sd))
+
+
+def test_load_state_dict_missing_amsgrad_state():
+    opt, params = _setup(amsgrad=True)
+    sd = opt.state_dict()
+    del sd["state"][1]["max_exp_avg_sq"]
+    _expect(opt, params, ValueError, r"has no 'max_exp_avg_sq'", lambda: opt.load_state_dict(sd))
+
+
+def test_load_state_dict_wrong_step_shape():
+    opt, params = _setup()
+    sd = opt.state_dict()
+    sd["state"][0]["step"] = torch.zeros(2)
+    _expect(opt, params, ValueError, r"step has 2 elements", lambda: opt.load_state_dict(sd))
+
+
+# --------------------------------------------------------------- bad tensors
+
+
+def test_sparse_gradient():
+    opt, params = _setup()
+    params[3].grad = params[3].grad.to_sparse()
+    _expect(opt, params, RuntimeError,
+            r"param_groups\[1\]\['params'\]\[1\]: AdamW does not support sparse gradients")
+
+
+def test_complex_parameter():
+    opt, params = _setup()
+    z = torch.nn.Parameter(torch.randn(3, dtype=torch.complex64))
+    opt.add_param_group({"params": [z]})
+    z.grad = torch.randn(3, dtype=torch.complex64)
+    _expect(opt, params, TypeError,
+            r"param_groups\[2\]\['params'\]\[0\]: dtype complex64 is not supported")
+
+
+def test_non_contiguous_parameter_refused_without_state():
+    opt, params = _setup()
+    base = torch.randn(4, 6)
+    nc = torch.nn.Parameter(base.t())  # a transposed view: not contiguous
+    opt.add_param_group({"params": [nc]})
+    nc.grad = torch.randn(4, 6).t()
+    _expect(opt, params + [nc], BufferError, r"params\[\d\]: not contiguous")
+    assert nc not in opt.state
+
+
+def test_read_only_output_through_the_c_api():
+    p = np.ones(4, dtype=np.float32)
+    p.flags.writeable = False
+    g = np.ones(4, dtype=np.float32)
+    m, v = np.zeros(4, np.float32), np.zeros(4, np.float32)
+    step = np.zeros(1, np.float32)
+    lr = np.full(1, 0.1, np.float32)
+    with pytest.raises(BufferError, match=r"params\[0\]: read-only"):
+        _C.adamw_step([p], [g], [m], [v], [], [step], lr, [(0.9, 0.999, 1e-8, 0.0, False)])
+    assert (p == 1).all() and (m == 0).all() and (step == 0).all()
+
+
+def test_wrong_python_types():
+    t = torch.zeros(3)
+    step = torch.zeros(())
+    lr = torch.full((1,), 0.1)
+    hp = [(0.9, 0.999, 1e-8, 0.0, False)]
+    with pytest.raises(TypeError, match=r"params\[1\]"):
+        _C.adamw_step([t, "oops"], [t, t], [t, t], [t, t], [], [step, step], lr, hp)
+    with pytest.raises(TypeError, match="params"):
+        _C.adamw_step(3, [t], [t], [t], [], [step], lr, hp)
+    assert torch.equal(t, torch.zeros(3))
+
+
+def test_lr_tensor_of_wrong_size():
+    p, g, m, v = torch.ones(3), torch.ones(3), torch.zeros(3), torch.zeros(3)
+    step = torch.zeros(())
+    with pytest.raises(ValueError, match=r"lr: expected float32 with 2 elements"):
+        _C.adamw_step([p], [g], [m], [v], [], [step], torch.ones(1),
+                      [(0.9, 0.999, 1e-8, 0.0, False)] * 2)
+    assert torch.equal(p, torch.ones(3)) and float(step) == 0.0
+
+
+def test_group_index_out_of_range():
+    p, g, m, v = torch.ones(3), torch.ones(3), torch.zeros(3), torch.zeros(3)
+    step = torch.zeros(())
+    with pytest.raises(ValueError, match=r"group_of\[0\] = 3 is not in \[0, 1\)"):
+        _C.adamw_step([p], [g], [m], [v], [], [step], torch.ones(1),
+                      [(0.9, 0.999, 1e-8, 0.0, False)], [3])
+    assert torch.equal(p, torch.ones(3))
+
+
+# --------------------------------------------------------------- bad hyperparameters
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(lr=-1.0), "Invalid learning rate"),
+    (dict(lr=math.nan), "Invalid learning rate"),
+    (dict(eps=-1e-8), "Invalid epsilon"),
+    (dict(betas=(1.0, 0.999)), "Invalid beta parameter at index 0"),
+    (dict(betas=(0.9, math.nan)), "Invalid beta parameter at index 1"),
+    (dict(weight_decay=-0.1), "Invalid weight_decay"),
+    (dict(differentiable=True), "differentiable"),
+])
+def test_constructor_rejects_like_torch(kw, match):
+    with pytest.raises(ValueError, match=match):
+        titanmac_c.AdamW([torch.nn.Parameter(torch.ones(2))], **kw)
+
+
+@pytest.mark.parametrize("key, value, match", [
+    ("lr", math.nan, r"param_groups\[1\]\['lr'\] = nan"),
+    ("lr", -0.5, r"param_groups\[1\]\['lr'\] = -0.5"),
+    ("betas", (0.9, math.nan), r"param_groups\[1\]\['betas'\]\[1\] = nan"),
+    ("eps", math.inf, r"param_groups\[1\]\['eps'\] = inf"),
+    ("weight_decay", -1.0, r"param_groups\[1\]\['weight_decay'\] = -1.0"),
+])
+def test_hyperparameters_changed_after_construction(key, value, match):
+    opt, params = _setup()
+    opt.param_groups[1][key] = value
+    _expect(opt, params, ValueError, match)
+
+
+def test_bad_state_in_second_group_changes_first_group_neither():
+    """One C call per device validates all groups before writing anything."""
+    opt, params = _setup(n_groups=2)
+    opt.state[params[3]]["exp_avg"] = torch.zeros(3)
+    _expect(opt, params, ValueError, r"exp_avg\[3\]: numel 3")
+
+
+def test_mixed_amsgrad_groups_precheck_keeps_everything():
+    """Groups that differ in amsgrad need two C calls; a bad tensor in the second must stop the
+    first as well."""
+    a = [torch.nn.Parameter(torch.randn(4)) for _ in range(2)]
+    b = [torch.nn.Parameter(torch.randn(4)) for _ in range(2)]
+    opt = titanmac_c.AdamW([{"params": a}, {"params": b, "amsgrad": True}], lr=0.1)
+    for p in a + b:
+        p.grad = torch.randn(4)
+    opt.step()
+    opt.state[b[1]]["exp_avg_sq"] = torch.zeros(4, dtype=torch.float16)
+    _expect(opt, a + b, ValueError, r"param_groups\[1\]\['params'\]\[1\]")

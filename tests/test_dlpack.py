@@ -1,0 +1,137 @@
+"""DLPack intake: what the C side sees of a tensor, refcounts, capsule ownership, rejections,
+and the Python-protocol path used by torch versions without the C exchange table."""
+
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+import torch.utils.dlpack
+
+from titanmac_c import _C
+
+
+def test_import_describes_the_tensor():
+    t = torch.randn(4, 5)
+    d = _C._import(t)
+    assert d["data"] == t.data_ptr() and d["numel"] == 20 and d["dtype"] == "float32"
+    assert d["device"] == (1, 0) and d["read_only"] is False
+    view = torch.randn(100)[1:]  # storage offset 1: the data pointer moves by 4 bytes
+    assert _C._import(view)["data"] == view.data_ptr()
+    assert _C._import(torch.zeros((), dtype=torch.bfloat16))["numel"] == 1
+    assert _C._import(torch.zeros(0, 3))["numel"] == 0
+
+
+def test_parameters_that_require_grad_are_accepted():
+    p = torch.nn.Parameter(torch.randn(3))
+    assert _C._import(p)["data"] == p.data_ptr()
+
+
+def test_refcounts_unchanged_after_many_calls():
+    params = [torch.randn(8) for _ in range(4)]
+    grads = [torch.randn(8) for _ in range(4)]
+    ms = [torch.zeros(8) for _ in range(4)]
+    vs = [torch.zeros(8) for _ in range(4)]
+    steps = [torch.zeros(()) for _ in range(4)]
+    lr = torch.full((1,), 1e-3)
+    everything = params + grads + ms + vs + steps + [lr]
+    before = [sys.getrefcount(t) for t in everything]
+    for _ in range(1000):
+        _C.adamw_step(params, grads, ms, vs, [], steps, lr, [(0.9, 0.999, 1e-8, 0.0, False)])
+    assert [sys.getrefcount(t) for t in everything] == before
+    assert float(steps[0]) == 1000.0
+
+
+def test_capsules_are_consumed_and_marked_used():
+    t = torch.randn(6)
+    capsule = torch.utils.dlpack.to_dlpack(t)
+    d = _C._import(capsule)
+    assert d["path"] == "capsule" and d["data"] == t.data_ptr()
+    assert "used_dltensor" in repr(capsule)
+    with pytest.raises((BufferError, ValueError, TypeError)):
+        _C._import(capsule)  # a capsule is consumed once
+
+
+def test_versioned_capsule_from_numpy():
+    a = np.arange(6, dtype=np.float32)
+    capsule = a.__dlpack__(max_version=(1, 0))
+    d = _C._import(capsule)
+    assert d["data"] == a.ctypes.data and d["numel"] == 6
+    assert "used_dltensor_versioned" in repr(capsule)
+
+
+def test_numpy_read_only_is_flagged():
+    a = np.ones(3, dtype=np.float32)
+    a.flags.writeable = False
+    assert _C._import(a)["read_only"] is True
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: torch.randn(4, 6)[:, ::2], r"tensor: not contiguous"),
+    (lambda: torch.randn(3, dtype=torch.complex64), r"dtype complex64 is not supported"),
+    (lambda: torch.zeros(3, dtype=torch.int64), r"dtype int64 is not supported"),
+    (lambda: torch.zeros(3, dtype=torch.float64), r"dtype float64 is not supported"),
+    (lambda: torch.zeros(3, dtype=torch.bool), r"dtype bool is not supported"),
+])
+def test_rejections_are_buffer_errors(make, match):
+    with pytest.raises(BufferError, match=match):
+        _C._import(make())
+
+
+def test_size_one_dims_do_not_break_contiguity():
+    t = torch.randn(1, 5)
+    odd = t.as_strided((1, 5), (99, 1))  # the stride of a size-1 dim is meaningless
+    assert _C._import(odd)["numel"] == 5
+    assert _C._import(torch.randn(3, 1).t())["numel"] == 3
+
+
+def test_not_a_tensor_is_type_error():
+    with pytest.raises(TypeError):
+        _C._import("nope")
+    with pytest.raises(TypeError):
+        _C._import(3.0)
+
+
+def test_intake_mode():
+    assert _C.dlpack_intake() in ("exchange", "protocol")
+    if hasattr(torch.Tensor, "__dlpack_c_exchange_api__") and \
+            os.environ.get("TITANMAC_DLPACK") != "protocol":
+        assert _C.dlpack_intake() == "exchange"
+        assert _C._import(torch.zeros(2))["path"] == "exchange"
+
+
+def test_protocol_path_gives_the_same_results():
+    """Run AdamW + clip through the Python __dlpack__ protocol (what torch < 2.10 gets) in a
+    subprocess and compare with torch.optim.AdamW."""
+    script = textwrap.dedent("""
+        import torch, titanmac_c
+        from titanmac_c import _C
+        assert _C.dlpack_intake() == "protocol", _C.dlpack_intake()
+        assert _C._import(torch.zeros(2))["path"] == "protocol"
+        torch.manual_seed(0)
+        a = [torch.nn.Parameter(torch.randn(n)) for n in (3, 255, 4097)]
+        b = [torch.nn.Parameter(p.detach().clone()) for p in a]
+        ours = titanmac_c.AdamW(a, lr=1e-2, weight_decay=0.1, amsgrad=True)
+        theirs = torch.optim.AdamW(b, lr=1e-2, weight_decay=0.1, amsgrad=True)
+        for step in range(20):
+            for pa, pb in zip(a, b):
+                g = torch.randn_like(pa)
+                pa.grad, pb.grad = g.clone(), g.clone()
+            na = titanmac_c.clip_grad_norm_(a, 1.0)
+            nb = torch.nn.utils.clip_grad_norm_(b, 1.0)
+            torch.testing.assert_close(na, nb, rtol=1e-5, atol=0)
+            ours.step(); theirs.step()
+        for pa, pb in zip(a, b):
+            torch.testing.assert_close(pa, pb, rtol=1e-6, atol=1e-7)
+        print("protocol-ok")
+    """)
+    env = dict(os.environ, TITANMAC_DLPACK="protocol")
+    # Run outside the source tree so the installed package (with _C) is imported.
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                         timeout=300, cwd=tempfile.gettempdir())
+    assert out.returncode == 0, out.stderr
+    assert "protocol-ok" in out.stdout

@@ -1,0 +1,50 @@
+"""titanmac_c: the inside of a PyTorch optimizer step (norm statistics, global-norm clipping, AdamW)
+as a few fused passes in a C extension, with drop-ins for the torch API.
+
+    from titanmac_c import AdamW, clip_grad_norm_, get_total_norm
+
+The compiled extension is required: there is no pure-Python fallback, so a broken build fails at
+import instead of silently running slow (or different) code.
+"""
+
+try:
+    from . import _C
+except ImportError as exc:  # pragma: no cover - only reached with a broken install
+    raise ImportError(
+        "titanmac_c: the compiled extension titanmac_c._C could not be loaded "
+        f"({exc}). Build it with `pip install .` from the source tree (a C compiler is needed; "
+        "set TITANMAC_WITH_CUDA=1 to require the CUDA backend). Importing titanmac_c from the "
+        "source directory without building picks up the sources instead of the installed package."
+    ) from exc
+
+from .functional import clip_grad_norm_, get_total_norm, group_norms
+from .optim import AdamW
+
+Error = _C.Error
+
+__version__ = "0.1.0"
+
+
+def cuda_available() -> bool:
+    """True when this build has the CUDA backend and torch sees a GPU. Makes no CUDA call itself."""
+    if not _C.cuda_compiled():
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def cpu_isa() -> str:
+    """The CPU instruction set whose loops are in use: "generic", "avx2" or "avx512"."""
+    return _C.cpu_isa()
+
+
+__all__ = [
+    "AdamW",
+    "Error",
+    "clip_grad_norm_",
+    "cpu_isa",
+    "cuda_available",
+    "get_total_norm",
+    "group_norms",
+]

@@ -1,0 +1,88 @@
+"""What every call into the C core needs besides its tensors: threads or stream, scratch, and
+error messages that point at the user's parameters instead of at positions in a flat list."""
+
+import math
+import re
+
+import torch
+
+from . import _C
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def exec_kwargs(device: torch.device) -> dict:
+    """Keyword arguments telling the C core where to run: torch's thread count on the CPU, torch's
+    current stream on CUDA (so our kernels are ordered with the user's)."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return {"stream": torch.cuda.current_stream(index).cuda_stream}
+    return {"num_threads": torch.get_num_threads()}
+
+
+def norms_scratch(device: torch.device, grads, params=None):
+    """Scratch for one tm_norms call: none on the CPU (the binding borrows host memory), a fresh
+    block from torch's caching allocator on CUDA (stream-ordered, so no reuse race; needs no
+    zeroing)."""
+    if device.type != "cuda":
+        return None
+    nbytes = _C.norms_scratch_bytes(grads, params)
+    return torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
+
+
+class Scratch:
+    """Scratch memory the C core asks for, owned here because the library allocates nothing.
+
+    CPU calls need none from us (the binding borrows host memory for the call). CUDA calls get a
+    zero-initialised byte tensor per device that only grows; the AdamW completion counter relies on
+    it starting at zero, and every kernel leaves it zero again.
+    """
+
+    def __init__(self):
+        self._buffers = {}
+
+    def get(self, device: torch.device, nbytes: int):
+        if device.type != "cuda" or nbytes == 0:
+            return None
+        buf = self._buffers.get(device)
+        if buf is None or buf.numel() < nbytes:
+            buf = torch.zeros(max(nbytes, 256), dtype=torch.uint8, device=device)
+            self._buffers[device] = buf
+        return buf
+
+
+_LIST_INDEX = re.compile(r"^(\w+)\[(\d+)\]")
+
+
+def reraise_with_names(exc: Exception, flat_names, group_names=None):
+    """Re-raise an error of the C core whose message starts with "<list>[<i>]" with the user's name
+    of tensor i appended, e.g. "exp_avg[3]: ... (param_groups[0]['params'][5])"."""
+    message = str(exc)
+    match = _LIST_INDEX.match(message)
+    if match:
+        names = group_names if match.group(1) == "groups" else flat_names
+        index = int(match.group(2))
+        if names is not None and index < len(names):
+            message = f"{message} ({names[index]})"
+    raise type(exc)(message) from None
+
+
+def float_in_range(name: str, value, low: float, high: float, high_open: bool = True) -> float:
+    """Validate a host hyperparameter: finite, in [low, high) (or [low, high])."""
+    value = float(value)
+    ok = math.isfinite(value) and low <= value and (value < high if high_open else value <= high)
+    if not ok:
+        bracket = ")" if high_open else "]"
+        raise ValueError(f"{name} = {value}: must be in [{low}, {high}{bracket}")
+    return value
+
+
+def check_supported_dtype(name: str, tensor: torch.Tensor) -> None:
+    if tensor.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"{name}: dtype {str(tensor.dtype).replace('torch.', '')} is not supported "
+            "(float32, float16, bfloat16)"
+        )
+
+
+__all__ = ["exec_kwargs", "norms_scratch", "Scratch", "reraise_with_names", "float_in_range", "_C"]

@@ -1,0 +1,162 @@
+"""Functional drop-ins for torch.nn.utils (get_total_norm, clip_grad_norm_) and the group norm
+statistics, each a constant number of calls into the C core per device.
+
+Differences from torch (also listed in the README):
+- norm types: p > 0 and inf. torch also accepts 0, -inf and negative p; we raise ValueError.
+- the norm is reduced in double and returned in the promoted dtype of the tensors (as torch
+  returns it); for bf16/fp16 gradients torch sums in that dtype, so ours is the more accurate one.
+- clip_grad_norm_ computes the clip coefficient from the float32 norm.
+- get_total_norm and clip_grad_norm_ never wait on the GPU unless error_if_nonfinite=True.
+"""
+
+import math
+from collections import namedtuple
+
+import torch
+
+from . import _C
+from ._runtime import exec_kwargs, norms_scratch
+
+GroupNorms = namedtuple("GroupNorms", "grad param total_grad total_param nonfinite")
+GroupNorms.__doc__ = """Per-group and global norms from one fused pass.
+
+grad, param: float32 [num_groups]; total_grad, total_param, nonfinite: float32 0-d tensors
+(nonfinite is 1.0 when any gradient element is NaN or infinite). param and total_param are None
+when no parameters were given."""
+
+_NONFINITE_MESSAGE = (
+    "The total norm of order {} for gradients from `parameters` is non-finite, so it cannot be "
+    "clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
+    "`error_if_nonfinite=False`"
+)
+
+
+def _check_norm_type(norm_type) -> float:
+    norm_type = float(norm_type)
+    if not (norm_type > 0.0):
+        raise ValueError(f"norm_type = {norm_type}: titanmac_c supports p > 0 and inf")
+    return norm_type
+
+
+def _by_device(tensors):
+    """Tensors grouped by device, in first-seen order."""
+    groups = {}
+    for t in tensors:
+        groups.setdefault(t.device, []).append(t)
+    return groups
+
+
+def _total_on_device(tensors, norm_type, device):
+    """float32 [2] tensor: [0] = scratch for the group output, [1] = the p-norm of tensors."""
+    out = torch.empty(2, dtype=torch.float32, device=device)
+    scratch = norms_scratch(device, tensors)
+    _C.norms(
+        tensors, None, out[0:1], out[1:2], norm_type=norm_type, scratch=scratch,
+        **exec_kwargs(device),
+    )
+    return out
+
+
+def _result_dtype(tensors):
+    dtype = tensors[0].dtype
+    for t in tensors[1:]:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
+def _combine_totals(totals, devices, norm_type):
+    """The norm over several devices' norms, on the first device (torch does the same)."""
+    if len(totals) == 1:
+        return totals[0]
+    stacked = torch.stack([t.to(devices[0]) for t in totals])
+    return torch.linalg.vector_norm(stacked, norm_type)
+
+
+def get_total_norm(tensors, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+    """The norm of all tensors as one vector, like torch.nn.utils.get_total_norm.
+
+    `foreach` is accepted for signature compatibility and ignored: there is one fused path.
+    """
+    del foreach
+    tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    norm_type = _check_norm_type(norm_type)
+    if len(tensors) == 0:
+        return torch.tensor(0.0)
+    by_device = _by_device(tensors)
+    totals = [_total_on_device(ts, norm_type, dev)[1] for dev, ts in by_device.items()]
+    total = _combine_totals(totals, list(by_device), norm_type)
+    dtype = _result_dtype(tensors)
+    if dtype != torch.float32:
+        total = total.to(dtype)
+    if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
+        raise RuntimeError(_NONFINITE_MESSAGE.format(norm_type))
+    return total
+
+
+def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+    """Clip the gradients of `parameters` to a total norm of `max_norm`, like
+    torch.nn.utils.clip_grad_norm_: grads *= min(1, max_norm / (total_norm + 1e-6)).
+
+    Returns the total norm (before clipping) as a tensor. No host sync unless
+    error_if_nonfinite=True. `foreach` is accepted and ignored.
+    """
+    del foreach
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    grads = [p.grad for p in params if p.grad is not None]
+    max_norm = float(max_norm)
+    if not (math.isfinite(max_norm) and max_norm >= 0.0):
+        raise ValueError(f"max_norm = {max_norm}: must be finite and >= 0")
+    norm_type = _check_norm_type(norm_type)
+    if len(grads) == 0:
+        return torch.tensor(0.0)
+    by_device = _by_device(grads)
+    devices = list(by_device)
+    buffers = [_total_on_device(ts, norm_type, dev) for dev, ts in by_device.items()]
+    total = _combine_totals([b[1] for b in buffers], devices, norm_type)
+    if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
+        raise RuntimeError(_NONFINITE_MESSAGE.format(norm_type))
+    for (device, device_grads), buf in zip(by_device.items(), buffers):
+        # buf[0] held the (unused) group output; reuse it for the coefficient.
+        device_total = buf[1:2] if len(devices) == 1 else total.reshape(1).to(device)
+        coef = buf[0:1]
+        kwargs = exec_kwargs(device)
+        _C.clip_coef(device_total, max_norm, coef, stream=kwargs.get("stream"))
+        _C.scale_(device_grads, coef, **kwargs)
+    dtype = _result_dtype(grads)
+    return total if dtype == torch.float32 else total.to(dtype)
+
+
+def group_norms(grads, params=None, group_of=None, num_groups=1, norm_type=2.0):
+    """Per-group and global norms of `grads` (and of `params`) in one pass over memory.
+
+    group_of[i] is the group of tensor i (None: all in group 0). All tensors on one device.
+    Returns GroupNorms(grad, param, total_grad, total_param, nonfinite).
+    """
+    grads = list(grads)
+    params = None if params is None else list(params)
+    norm_type = _check_norm_type(norm_type)
+    num_groups = int(num_groups)
+    if num_groups < 1:
+        raise ValueError(f"num_groups = {num_groups}: must be >= 1")
+    if len(grads) == 0:
+        raise ValueError("grads: at least one tensor is needed to know the device")
+    device = grads[0].device
+    n_out = 2 * num_groups + 3
+    out = torch.empty(n_out, dtype=torch.float32, device=device)
+    g = num_groups
+    kwargs = dict(group_of=group_of, num_groups=g, norm_type=norm_type, nonfinite=out[2 * g + 2 :])
+    if params is not None:
+        kwargs.update(group_param=out[g : 2 * g], total_param=out[2 * g + 1 : 2 * g + 2])
+    kwargs["scratch"] = norms_scratch(device, grads, params)
+    _C.norms(grads, params, out[0:g], out[2 * g : 2 * g + 1], **kwargs, **exec_kwargs(device))
+    has_params = params is not None
+    return GroupNorms(
+        grad=out[0:g],
+        param=out[g : 2 * g] if has_params else None,
+        total_grad=out[2 * g],
+        total_param=out[2 * g + 1] if has_params else None,
+        nonfinite=out[2 * g + 2],
+    )
+
+
+__all__ = ["GroupNorms", "clip_grad_norm_", "get_total_norm", "group_norms"]

@@ -1,0 +1,352 @@
+"""titanmac_c.AdamW: torch.optim.AdamW's constructor, defaults, state keys and state_dict, with the
+step run by the C core as one fused pass per device.
+
+Shaped like torch/optim/adamw.py: a validated constructor, lazily created state, and state_dict /
+load_state_dict from the base class, so a checkpoint loads into torch.optim.AdamW and back.
+State per parameter: "step" (float32 0-d tensor on the parameter's device), "exp_avg",
+"exp_avg_sq" and, with amsgrad, "max_exp_avg_sq" (all in the parameter's dtype).
+"""
+
+import math
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from . import _C
+from ._runtime import (
+    Scratch,
+    check_supported_dtype,
+    exec_kwargs,
+    float_in_range,
+    norms_scratch,
+    reraise_with_names,
+)
+
+_STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+
+
+def _scalar(name, value):
+    """A hyperparameter given as a 1-element tensor becomes a float (once, at construction)."""
+    if isinstance(value, Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"Tensor {name} must be 1-element")
+        return float(value)
+    return value
+
+
+class _Batch:
+    """The flat lists of one C call: the tensors of every group on one device with one amsgrad."""
+
+    def __init__(self, device, amsgrad):
+        self.device = device
+        self.amsgrad = amsgrad
+        self.params, self.grads, self.exp_avgs, self.exp_avg_sqs = [], [], [], []
+        self.max_exp_avg_sqs, self.steps, self.group_of = [], [], []
+        self.names = []  # "param_groups[g]['params'][j]" of each flat entry
+        self.groups, self.lrs, self.group_names = [], [], []
+
+
+class AdamW(Optimizer):
+    """Drop-in for torch.optim.AdamW (same arguments, defaults, state keys and state_dict).
+
+    foreach, capturable and fused are accepted for compatibility and change nothing: there is one
+    fused path. differentiable=True is refused.
+
+    Beyond torch: clip_grad_norm_(max_norm) computes the total gradient norm and folds the clip
+    coefficient into the next step() (the gradients are scaled as the update loads them), which
+    saves a pass over the gradients compared with clip_grad_norm_ followed by step().
+    """
+
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=1e-2,
+        amsgrad=False,
+        *,
+        maximize=False,
+        foreach=None,
+        capturable=False,
+        differentiable=False,
+        fused=None,
+    ):
+        if isinstance(lr, Tensor) and lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
+        if not 0.0 <= lr:
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if not 0.0 <= eps:
+            raise ValueError(f"Invalid epsilon value: {eps}")
+        betas = (_scalar("betas[0]", betas[0]), _scalar("betas[1]", betas[1]))
+        if not 0.0 <= betas[0] < 1.0:
+            raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
+        if not 0.0 <= betas[1] < 1.0:
+            raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        if differentiable:
+            raise ValueError("titanmac_c.AdamW does not support differentiable=True")
+        defaults = dict(
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            amsgrad=amsgrad,
+            maximize=maximize,
+            foreach=foreach,
+            capturable=capturable,
+            differentiable=differentiable,
+            fused=fused,
+            decoupled_weight_decay=True,
+        )
+        super().__init__(params, defaults)
+        self._scratch = Scratch()
+        self._clip_coef = {}  # device -> float32 [1] coefficient for the next step()
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        for group in self.param_groups:
+            for key, value in (("amsgrad", False), ("maximize", False), ("foreach", None),
+                               ("capturable", False), ("differentiable", False),
+                               ("fused", None)):
+                group.setdefault(key, value)
+            group["decoupled_weight_decay"] = True
+        self.__dict__.setdefault("_scratch", Scratch())
+        self.__dict__.setdefault("_clip_coef", {})
+        self._normalize_steps()
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def load_state_dict(self, state_dict):
+        """torch's load_state_dict, after checking every state tensor against its parameter, so a
+        corrupted checkpoint raises here and leaves the optimizer as it was."""
+        self._check_loaded_state(state_dict)
+        super().load_state_dict(state_dict)
+        self._normalize_steps()
+        self._clip_coef = {}
+
+    def _check_loaded_state(self, state_dict):
+        saved_groups = state_dict.get("param_groups", [])
+        if len(saved_groups) != len(self.param_groups):
+            return  # the base class raises its own error for this
+        for gi, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
+            if len(saved["params"]) != len(group["params"]):
+                return
+            for pi, (pid, p) in enumerate(zip(saved["params"], group["params"])):
+                entry = state_dict.get("state", {}).get(pid)
+                if entry:
+                    self._check_entry(f"param_groups[{gi}]['params'][{pi}]", p, entry, saved)
+
+    @staticmethod
+    def _check_entry(name, p, entry, saved_group):
+        required = ["exp_avg", "exp_avg_sq"]
+        if saved_group.get("amsgrad", False):
+            required.append("max_exp_avg_sq")
+        for key in required:
+            if key not in entry:
+                raise ValueError(f"load_state_dict: {name}: state has no {key!r}")
+        for key in _STATE_KEYS:
+            value = entry.get(key)
+            if value is not None and (not isinstance(value, Tensor) or value.shape != p.shape):
+                shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+                raise ValueError(
+                    f"load_state_dict: {name}: {key} has shape {shape}, "
+                    f"but the parameter has shape {tuple(p.shape)}"
+                )
+        step = entry.get("step")
+        if step is None:
+            raise ValueError(f"load_state_dict: {name}: state has no 'step'")
+        if isinstance(step, Tensor) and step.numel() != 1:
+            raise ValueError(f"load_state_dict: {name}: step has {step.numel()} elements, not 1")
+
+    def _normalize_steps(self):
+        """Steps live as float32 0-d tensors on the parameter's device (torch's non-fused AdamW
+        keeps them on the CPU, older checkpoints as Python numbers)."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state.get(p)
+                if state and "step" in state:
+                    step = state["step"]
+                    if (not isinstance(step, Tensor) or step.dtype != torch.float32
+                            or step.device != p.device):
+                        state["step"] = torch.as_tensor(
+                            float(step), dtype=torch.float32, device=p.device
+                        )
+
+    # ------------------------------------------------------------------ stepping
+
+    def zero_grad(self, set_to_none: bool = True):
+        self._clip_coef = {}
+        super().zero_grad(set_to_none)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False):
+        """Total norm of all gradients of this optimizer's parameters (a tensor); the next step()
+        multiplies each gradient by min(1, max_norm / (norm + 1e-6)) as it loads it.
+
+        The gradients themselves are not modified. zero_grad() forgets a pending coefficient.
+        """
+        from .functional import _NONFINITE_MESSAGE, _check_norm_type
+
+        max_norm = float(max_norm)
+        if not (math.isfinite(max_norm) and max_norm >= 0.0):
+            raise ValueError(f"max_norm = {max_norm}: must be finite and >= 0")
+        norm_type = _check_norm_type(norm_type)
+        by_device = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    by_device.setdefault(p.grad.device, []).append(p.grad)
+        if not by_device:
+            self._clip_coef = {}
+            return torch.tensor(0.0)
+        if len(by_device) > 1:
+            raise ValueError("clip_grad_norm_: parameters on several devices; use "
+                             "titanmac_c.clip_grad_norm_ instead")
+        (device, grads), = by_device.items()
+        buf = torch.empty(2, dtype=torch.float32, device=device)
+        kwargs = exec_kwargs(device)
+        _C.norms(grads, None, buf[1:2], buf[0:1], norm_type=norm_type,
+                 scratch=norms_scratch(device, grads), **kwargs)
+        total = buf[0]
+        if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
+            raise RuntimeError(_NONFINITE_MESSAGE.format(norm_type))
+        _C.clip_coef(buf[0:1], max_norm, buf[1:2], stream=kwargs.get("stream"))
+        self._clip_coef = {device: buf[1:2]}
+        return total
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One AdamW step for every parameter with a gradient (one C call per device)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        batches, new_state = self._collect()
+        if len(batches) > 1:
+            for batch in batches:
+                self._precheck(batch)
+        for batch in batches:
+            self._run(batch)
+        self.state.update(new_state)
+        self._clip_coef = {}
+        return loss
+
+    def _collect(self):
+        """Flat lists per (device, amsgrad). State for parameters seen for the first time is
+        created in new_state and committed only after the C calls succeeded."""
+        batches = {}
+        new_state = {}
+        for gi, group in enumerate(self.param_groups):
+            hp = self._group_hparams(gi, group)
+            for pi, p in enumerate(group["params"]):
+                grad = p.grad
+                if grad is None:
+                    continue
+                name = f"param_groups[{gi}]['params'][{pi}]"
+                if grad.is_sparse:
+                    raise RuntimeError(f"{name}: AdamW does not support sparse gradients")
+                state = self.state.get(p)
+                if not state:
+                    state = new_state.get(p)
+                    if state is None:
+                        state = self._init_state(name, p, group["amsgrad"])
+                        new_state[p] = state
+                key = (p.device, bool(group["amsgrad"]))
+                batch = batches.get(key)
+                if batch is None:
+                    batch = batches[key] = _Batch(*key)
+                if not batch.group_names or batch.group_names[-1] != gi:
+                    batch.group_names.append(gi)
+                    batch.groups.append(hp)
+                    batch.lrs.append(group["lr"])
+                batch.group_of.append(len(batch.groups) - 1)
+                batch.params.append(p)
+                batch.grads.append(grad)
+                batch.exp_avgs.append(state["exp_avg"])
+                batch.exp_avg_sqs.append(state["exp_avg_sq"])
+                if batch.amsgrad:
+                    batch.max_exp_avg_sqs.append(state["max_exp_avg_sq"])
+                batch.steps.append(state["step"])
+                batch.names.append(name)
+        for batch in batches.values():
+            batch.group_names = [f"param_groups[{g}]" for g in batch.group_names]
+        return list(batches.values()), new_state
+
+    @staticmethod
+    def _group_hparams(gi, group):
+        """(beta1, beta2, eps, weight_decay, maximize), validated on the host before any write:
+        a scheduler or a user may have changed them since construction."""
+        where = f"param_groups[{gi}]"
+        lr = group["lr"]
+        if not isinstance(lr, Tensor):
+            lr = float(lr)
+            if not (math.isfinite(lr) and lr >= 0.0):
+                raise ValueError(f"{where}['lr'] = {lr}: must be finite and >= 0")
+        beta1, beta2 = (_scalar("betas", b) for b in group["betas"])
+        return (
+            float_in_range(f"{where}['betas'][0]", beta1, 0.0, 1.0),
+            float_in_range(f"{where}['betas'][1]", beta2, 0.0, 1.0),
+            float_in_range(f"{where}['eps']", group["eps"], 0.0, math.inf, high_open=False),
+            float_in_range(f"{where}['weight_decay']", group["weight_decay"], 0.0, math.inf,
+                           high_open=False),
+            bool(group["maximize"]),
+        )
+
+    @staticmethod
+    def _init_state(name, p, amsgrad):
+        check_supported_dtype(name, p)
+        state = {
+            "step": torch.zeros((), dtype=torch.float32, device=p.device),
+            "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+            "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+        }
+        if amsgrad:
+            state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state
+
+    @staticmethod
+    def _lr_tensor(lrs, device):
+        """The groups' learning rates as one float32 tensor on the device (the C core reads them
+        from memory, so a tensor lr never has to visit the host)."""
+        if not any(isinstance(lr, Tensor) for lr in lrs):
+            return torch.tensor(lrs, dtype=torch.float32, device=device)
+        return torch.stack([
+            torch.as_tensor(lr, dtype=torch.float32, device=device).reshape(()) for lr in lrs
+        ])
+
+    def _run(self, batch):
+        device = batch.device
+        lr = self._lr_tensor(batch.lrs, device)
+        kwargs = exec_kwargs(device)
+        lists = (batch.params, batch.grads, batch.exp_avgs, batch.exp_avg_sqs,
+                 batch.max_exp_avg_sqs, batch.steps)
+        scratch = None
+        if device.type == "cuda":
+            scratch = self._scratch.get(device, _C.adamw_scratch_bytes(*lists))
+        try:
+            _C.adamw_step(*lists, lr, batch.groups, batch.group_of, amsgrad=batch.amsgrad,
+                          grad_scale=self._clip_coef.get(device), scratch=scratch, **kwargs)
+        except (ValueError, TypeError, BufferError) as exc:
+            reraise_with_names(exc, batch.names, batch.group_names)
+
+    @staticmethod
+    def _precheck(batch):
+        """With several C calls per step, a failure in a later call must not follow a completed
+        earlier one: check in Python what the C core would refuse, before any call."""
+        for i, p in enumerate(batch.params):
+            name = batch.names[i]
+            if not p.is_contiguous():
+                raise BufferError(f"params[{i}]: not contiguous ({name})")
+            tensors = [batch.grads[i], batch.exp_avgs[i], batch.exp_avg_sqs[i]]
+            if batch.amsgrad:
+                tensors.append(batch.max_exp_avg_sqs[i])
+            for t in tensors:
+                if t.shape != p.shape or t.dtype != p.dtype or t.device != p.device:
+                    raise ValueError(f"{name}: state or gradient does not match the parameter "
+                                     f"(shape {tuple(t.shape)}, dtype {t.dtype}, {t.device})")
+            step = batch.steps[i]
+            if step.dtype != torch.float32 or step.numel() != 1 or step.device != p.device:
+                raise ValueError(f"{name}: step must be a float32 scalar on {p.device}")
