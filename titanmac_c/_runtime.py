@@ -16,7 +16,10 @@ def exec_kwargs(device: torch.device) -> dict:
     current stream on CUDA (so our kernels are ordered with the user's)."""
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
-        return {"stream": torch.cuda.current_stream(index).cuda_stream}
+        # The raw handle costs ~0.2 us; current_stream().cuda_stream builds a Stream object
+        # (~4 us). With torch's DLPack exchange table the binding asks torch itself and this
+        # value is only a fallback.
+        return {"stream": torch._C._cuda_getCurrentRawStream(index)}
     return {"num_threads": torch.get_num_threads()}
 
 

@@ -102,7 +102,12 @@ class AdamW(Optimizer):
             decoupled_weight_decay=True,
         )
         super().__init__(params, defaults)
+        self._init_caches()
+
+    def _init_caches(self):
         self._scratch = Scratch()
+        self._scratch_bytes = {}  # (device, amsgrad, count) -> bytes the C core asked for
+        self._lr_cache = {}  # (device, amsgrad) -> (host lr values, float32 tensor on device)
         self._clip_coef = {}  # device -> float32 [1] coefficient for the next step()
 
     def __setstate__(self, state):
@@ -113,8 +118,7 @@ class AdamW(Optimizer):
                                ("fused", None)):
                 group.setdefault(key, value)
             group["decoupled_weight_decay"] = True
-        self.__dict__.setdefault("_scratch", Scratch())
-        self.__dict__.setdefault("_clip_coef", {})
+        self._init_caches()
         self._normalize_steps()
 
     # ------------------------------------------------------------------ checkpoints
@@ -307,25 +311,43 @@ class AdamW(Optimizer):
             state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         return state
 
-    @staticmethod
-    def _lr_tensor(lrs, device):
+    def _lr_tensor(self, key, lrs, device):
         """The groups' learning rates as one float32 tensor on the device (the C core reads them
-        from memory, so a tensor lr never has to visit the host)."""
-        if not any(isinstance(lr, Tensor) for lr in lrs):
-            return torch.tensor(lrs, dtype=torch.float32, device=device)
-        return torch.stack([
-            torch.as_tensor(lr, dtype=torch.float32, device=device).reshape(()) for lr in lrs
-        ])
+        from memory, so a tensor lr never visits the host). Float lrs are cached and re-uploaded
+        only when a value changed, in place and without a host sync (pinned, non-blocking), so
+        the tensor keeps its address for CUDA graphs."""
+        if any(isinstance(lr, Tensor) for lr in lrs):
+            return torch.stack([
+                torch.as_tensor(lr, dtype=torch.float32, device=device).reshape(()) for lr in lrs
+            ])
+        values = tuple(lrs)
+        cached = self._lr_cache.get(key)
+        if cached is not None and cached[0] == values:
+            return cached[1]
+        host = torch.tensor(values, dtype=torch.float32)
+        if device.type != "cuda":
+            tensor = host
+        else:
+            tensor = cached[1] if cached is not None and len(cached[0]) == len(values) else \
+                torch.empty(len(values), dtype=torch.float32, device=device)
+            tensor.copy_(host.pin_memory(), non_blocking=True)
+        self._lr_cache[key] = (values, tensor)
+        return tensor
 
     def _run(self, batch):
         device = batch.device
-        lr = self._lr_tensor(batch.lrs, device)
+        lr = self._lr_tensor((device, batch.amsgrad), batch.lrs, device)
         kwargs = exec_kwargs(device)
         lists = (batch.params, batch.grads, batch.exp_avgs, batch.exp_avg_sqs,
                  batch.max_exp_avg_sqs, batch.steps)
         scratch = None
         if device.type == "cuda":
-            scratch = self._scratch.get(device, _C.adamw_scratch_bytes(*lists))
+            # Asking the C core imports every tensor; ask again only when the set's size changes.
+            sig = (device, batch.amsgrad, len(batch.params))
+            nbytes = self._scratch_bytes.get(sig)
+            if nbytes is None:
+                nbytes = self._scratch_bytes[sig] = _C.adamw_scratch_bytes(*lists)
+            scratch = self._scratch.get(device, nbytes)
         try:
             _C.adamw_step(*lists, lr, batch.groups, batch.group_of, amsgrad=batch.amsgrad,
                           grad_scale=self._clip_coef.get(device), scratch=scratch, **kwargs)

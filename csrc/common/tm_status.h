@@ -1,7 +1,7 @@
 /*
- * tm_status.h -- recording failures: a thread-local "file:line: message" buffer behind
- * tm_last_error(), and the TM_CHECK macro every validation goes through (after TransformerEngine's
- * NVTE_CHECK, minus the throw: C code returns the status).
+ * tm_status.h -- recording failures: a thread-local message buffer behind tm_last_error() (with a
+ * "file:line: " prefix only under TITANMAC_DEBUG=1), and the TM_CHECK macro every validation goes
+ * through (after TransformerEngine's NVTE_CHECK, minus the throw: C code returns the status).
  */
 #ifndef TM_STATUS_H
 #define TM_STATUS_H
