@@ -37,12 +37,14 @@ step memcheck env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$SAN" --tool memcheck --erro
     python3 -m pytest -q -x -k cuda tests
 step racecheck "$SAN" --tool racecheck --error-exitcode 1 python3 -m pytest -q -x -k cuda tests
 step bench python3 benchmarks/bench_step.py --device cuda --out "$OUT/bench_step_cuda.json"
+step train python3 benchmarks/bench_train.py --device cuda --steps 100 \
+    --out "$OUT/bench_train_cuda.json"
 
 echo
 echo "=== summary ($(date -u +%Y-%m-%d), $(head -n1 "$OUT/gpu.txt"))"
 printf '%-10s %s\n' check result
 status=0
-for name in build tests memcheck racecheck bench; do
+for name in build tests memcheck racecheck bench train; do
     printf '%-10s %s\n' "$name" "${RESULT[$name]:-not run}"
     [ "${RESULT[$name]:-}" = pass ] || status=1
 done

@@ -163,3 +163,23 @@ def test_zero_grad_forgets_pending_clip():
     ours.step()
     ref.step()
     assert torch.equal(p, q)
+
+
+def test_loading_does_not_alias_the_checkpoint():
+    """torch's load_state_dict keeps step tensors by reference; ours copies them, so stepping
+    never writes into the checkpoint or into another optimizer loaded from it."""
+    params = make_params([4], "cpu", misaligned=False)
+    opt = titanmac_c.AdamW(params)
+    set_grads(params, params, 0)
+    opt.step()
+    saved = opt.state_dict()
+    a = titanmac_c.AdamW(clone_params(params))
+    b = titanmac_c.AdamW(clone_params(params))
+    a.load_state_dict(saved)
+    b.load_state_dict(saved)
+    for opt_x in (a, b):
+        p = opt_x.param_groups[0]["params"][0]
+        p.grad = torch.ones(4)
+        opt_x.step()
+        assert float(opt_x.state[p]["step"]) == 2.0
+    assert float(saved["state"][0]["step"]) == 1.0

@@ -1,7 +1,7 @@
 """titanmac_c: the inside of a PyTorch optimizer step (norm statistics, global-norm clipping, AdamW)
 as a few fused passes in a C extension, with drop-ins for the torch API.
 
-    from titanmac_c import AdamW, clip_grad_norm_, get_total_norm
+    from titanmac_c import AdamW, DeepNestedOptimizer, clip_grad_norm_, get_total_norm
 
 The compiled extension is required: there is no pure-Python fallback, so a broken build fails at
 import instead of silently running slow (or different) code.
@@ -17,6 +17,7 @@ except ImportError as exc:  # pragma: no cover - only reached with a broken inst
         "source directory without building picks up the sources instead of the installed package."
     ) from exc
 
+from .deep_nested import DeepNestedOptimizer
 from .functional import clip_grad_norm_, get_total_norm, group_norms
 from .optim import AdamW
 
@@ -41,6 +42,7 @@ def cpu_isa() -> str:
 
 __all__ = [
     "AdamW",
+    "DeepNestedOptimizer",
     "Error",
     "clip_grad_norm_",
     "cpu_isa",

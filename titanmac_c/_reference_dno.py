@@ -34,6 +34,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 __all__ = [
+    "CMSLevel",
     "ContinuumMemoryState",
     "DeepNestedOptimizer",
     "DirectUpdateMLP",
@@ -419,7 +420,8 @@ def compute_surrogate_loss(output: torch.Tensor, target: torch.Tensor,
 class SimplifiedMetaTrainer:
     """FIFO histories (one entry per meta-update call), window = meta_update_freq."""
 
-    def __init__(self, window_size: int = 100, improvement_threshold: float = IMPROVEMENT_THRESHOLD):
+    def __init__(self, window_size: int = 100,
+                 improvement_threshold: float = IMPROVEMENT_THRESHOLD):
         self.window_size = window_size
         self.improvement_threshold = improvement_threshold
         self.loss_history: List[float] = []
@@ -815,7 +817,7 @@ class ReferenceDeepNestedOptimizer:
                 losses.append(compute_surrogate_loss(out, g0, prev))
                 self._mlp_output_history[id(p)] = out.detach().clone()
             # 3. mean, backprop, clip MLP grads to 1.0 (in place), one Adam step at 1e-3
-            total = torch.stack([torch.as_tensor(v, device=self.device) for v in losses]).mean()
+            total = torch.stack(losses).mean()
             self.mlp_optimizer.zero_grad()
             total.backward()
         _fused_clip_grad_norm_(self.momentum_mlp.parameters(), META_GRAD_CLIP, inplace=True)

@@ -44,7 +44,6 @@ class _Batch:
         self.params, self.grads, self.exp_avgs, self.exp_avg_sqs = [], [], [], []
         self.max_exp_avg_sqs, self.steps, self.group_of = [], [], []
         self.names = []  # "param_groups[g]['params'][j]" of each flat entry
-        self.groups, self.lrs, self.group_names = [], [], []
 
 
 class AdamW(Optimizer):
@@ -107,7 +106,7 @@ class AdamW(Optimizer):
     def _init_caches(self):
         self._scratch = Scratch()
         self._scratch_bytes = {}  # (device, amsgrad, count) -> bytes the C core asked for
-        self._lr_cache = {}  # (device, amsgrad) -> (host lr values, float32 tensor on device)
+        self._lr_cache = {}  # device -> (host lr values, float32 tensor on device)
         self._clip_coef = {}  # device -> float32 [1] coefficient for the next step()
 
     def __setstate__(self, state):
@@ -128,7 +127,7 @@ class AdamW(Optimizer):
         corrupted checkpoint raises here and leaves the optimizer as it was."""
         self._check_loaded_state(state_dict)
         super().load_state_dict(state_dict)
-        self._normalize_steps()
+        self._normalize_steps(copy=True)
         self._clip_coef = {}
 
     def _check_loaded_state(self, state_dict):
@@ -165,15 +164,18 @@ class AdamW(Optimizer):
         if isinstance(step, Tensor) and step.numel() != 1:
             raise ValueError(f"load_state_dict: {name}: step has {step.numel()} elements, not 1")
 
-    def _normalize_steps(self):
+    def _normalize_steps(self, copy=False):
         """Steps live as float32 0-d tensors on the parameter's device (torch's non-fused AdamW
-        keeps them on the CPU, older checkpoints as Python numbers)."""
+        keeps them on the CPU, older checkpoints as Python numbers). With copy, every step is a
+        fresh tensor: torch's load_state_dict keeps the checkpoint's step tensors by reference,
+        and the C core increments steps in place, which would write into the checkpoint (or into
+        another optimizer loaded from it)."""
         for group in self.param_groups:
             for p in group["params"]:
                 state = self.state.get(p)
                 if state and "step" in state:
                     step = state["step"]
-                    if (not isinstance(step, Tensor) or step.dtype != torch.float32
+                    if (copy or not isinstance(step, Tensor) or step.dtype != torch.float32
                             or step.device != p.device):
                         state["step"] = torch.as_tensor(
                             float(step), dtype=torch.float32, device=p.device
@@ -228,23 +230,34 @@ class AdamW(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        batches, new_state = self._collect()
+        self._fused_step()
+        return loss
+
+    def _fused_step(self, lr=None, grad_scale=None, skip=None, zero_grads_on_skip=False):
+        """The step itself. lr: None (the groups' "lr" values), or a float32 tensor with one
+        learning rate per param group on the parameters' device; grad_scale / skip: None or
+        float32 [1] device tensors (see titanmac.h tm_adamw_step). The DeepNestedOptimizer calls
+        this with values its control step computed on the device."""
+        batches, new_state, groups, lrs = self._collect()
         if len(batches) > 1:
             for batch in batches:
                 self._precheck(batch)
         for batch in batches:
-            self._run(batch)
+            batch_lr = lr if lr is not None else self._lr_tensor(batch.device, lrs)
+            scale = grad_scale if grad_scale is not None else self._clip_coef.get(batch.device)
+            self._run(batch, groups, batch_lr, scale, skip, zero_grads_on_skip)
         self.state.update(new_state)
         self._clip_coef = {}
-        return loss
 
     def _collect(self):
-        """Flat lists per (device, amsgrad). State for parameters seen for the first time is
-        created in new_state and committed only after the C calls succeeded."""
+        """Flat lists per (device, amsgrad), each tensor tagged with its param_groups index, plus
+        every group's validated hyperparameters and lr. State for parameters seen for the first
+        time is created in new_state and committed only after the C calls succeeded."""
         batches = {}
         new_state = {}
+        groups = [self._group_hparams(gi, g) for gi, g in enumerate(self.param_groups)]
+        lrs = [g["lr"] for g in self.param_groups]
         for gi, group in enumerate(self.param_groups):
-            hp = self._group_hparams(gi, group)
             for pi, p in enumerate(group["params"]):
                 grad = p.grad
                 if grad is None:
@@ -262,11 +275,7 @@ class AdamW(Optimizer):
                 batch = batches.get(key)
                 if batch is None:
                     batch = batches[key] = _Batch(*key)
-                if not batch.group_names or batch.group_names[-1] != gi:
-                    batch.group_names.append(gi)
-                    batch.groups.append(hp)
-                    batch.lrs.append(group["lr"])
-                batch.group_of.append(len(batch.groups) - 1)
+                batch.group_of.append(gi)
                 batch.params.append(p)
                 batch.grads.append(grad)
                 batch.exp_avgs.append(state["exp_avg"])
@@ -275,9 +284,7 @@ class AdamW(Optimizer):
                     batch.max_exp_avg_sqs.append(state["max_exp_avg_sq"])
                 batch.steps.append(state["step"])
                 batch.names.append(name)
-        for batch in batches.values():
-            batch.group_names = [f"param_groups[{g}]" for g in batch.group_names]
-        return list(batches.values()), new_state
+        return list(batches.values()), new_state, groups, lrs
 
     @staticmethod
     def _group_hparams(gi, group):
@@ -311,7 +318,7 @@ class AdamW(Optimizer):
             state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         return state
 
-    def _lr_tensor(self, key, lrs, device):
+    def _lr_tensor(self, device, lrs):
         """The groups' learning rates as one float32 tensor on the device (the C core reads them
         from memory, so a tensor lr never visits the host). Float lrs are cached and re-uploaded
         only when a value changed, in place and without a host sync (pinned, non-blocking), so
@@ -321,7 +328,7 @@ class AdamW(Optimizer):
                 torch.as_tensor(lr, dtype=torch.float32, device=device).reshape(()) for lr in lrs
             ])
         values = tuple(lrs)
-        cached = self._lr_cache.get(key)
+        cached = self._lr_cache.get(device)
         if cached is not None and cached[0] == values:
             return cached[1]
         host = torch.tensor(values, dtype=torch.float32)
@@ -331,12 +338,11 @@ class AdamW(Optimizer):
             tensor = cached[1] if cached is not None and len(cached[0]) == len(values) else \
                 torch.empty(len(values), dtype=torch.float32, device=device)
             tensor.copy_(host.pin_memory(), non_blocking=True)
-        self._lr_cache[key] = (values, tensor)
+        self._lr_cache[device] = (values, tensor)
         return tensor
 
-    def _run(self, batch):
+    def _run(self, batch, groups, lr, grad_scale, skip, zero_grads_on_skip):
         device = batch.device
-        lr = self._lr_tensor((device, batch.amsgrad), batch.lrs, device)
         kwargs = exec_kwargs(device)
         lists = (batch.params, batch.grads, batch.exp_avgs, batch.exp_avg_sqs,
                  batch.max_exp_avg_sqs, batch.steps)
@@ -349,10 +355,12 @@ class AdamW(Optimizer):
                 nbytes = self._scratch_bytes[sig] = _C.adamw_scratch_bytes(*lists)
             scratch = self._scratch.get(device, nbytes)
         try:
-            _C.adamw_step(*lists, lr, batch.groups, batch.group_of, amsgrad=batch.amsgrad,
-                          grad_scale=self._clip_coef.get(device), scratch=scratch, **kwargs)
+            _C.adamw_step(*lists, lr, groups, batch.group_of, amsgrad=batch.amsgrad,
+                          grad_scale=grad_scale, skip=skip, scratch=scratch,
+                          zero_grads_on_skip=zero_grads_on_skip, **kwargs)
         except (ValueError, TypeError, BufferError) as exc:
-            reraise_with_names(exc, batch.names, batch.group_names)
+            group_names = [f"param_groups[{i}]" for i in range(len(groups))]
+            reraise_with_names(exc, batch.names, group_names)
 
     @staticmethod
     def _precheck(batch):

@@ -12,6 +12,10 @@
  * The CPU build compiles this in ISO C mode, where GCC does not contract a*b+c into an FMA, so
  * every instruction set gives the same bits. nvcc contracts by default; CUDA results therefore
  * differ from the CPU's in the last bit of some elements, and the CUDA tests use tolerances.
+ *
+ * The DeepNestedOptimizer's control step (tm_dno_*) is the exception: its scalar expressions use
+ * tm_fmul / tm_fadd, which nvcc does not contract, and its Linear layers sum exact double
+ * products, so both backends give the same bits (spec deep_nested_optimizer.md sections 3-5).
  */
 #ifndef TM_MATH_H
 #define TM_MATH_H
@@ -144,6 +148,112 @@ tm_norm_finish(double reduced, double p)
         return (float)sqrt(reduced);
     }
     return (float)pow(reduced, 1.0 / p);
+}
+
+/* ---------------------------------------------------------------- DeepNestedOptimizer ---- */
+
+/* Bounds of the controller (validated by core/): the CUDA kernel runs one block with one thread
+ * per hidden unit (at most 1,024 threads) and keeps two activation rows in shared memory, and it
+ * takes every weight pointer as a kernel parameter (2 * (layers + 1) of them, under 4 KB). The
+ * CPU loop keeps the same two rows on its stack. */
+#define TM_DNO_MAX_HIDDEN 1024
+#define TM_DNO_MAX_LAYERS 128
+
+/* a * b and a + b rounded once each, never contracted into an FMA (nvcc contracts by default;
+ * ISO C on the host does not): torch computes the DNO's scalar expressions one op at a time. */
+TM_HOST_DEVICE float
+tm_fmul(float a, float b)
+{
+#if defined(__CUDA_ARCH__)
+    return __fmul_rn(a, b);
+#else
+    return a * b;
+#endif
+}
+
+TM_HOST_DEVICE float
+tm_fadd(float a, float b)
+{
+#if defined(__CUDA_ARCH__)
+    return __fadd_rn(a, b);
+#else
+    return a + b;
+#endif
+}
+
+/* Host constants of one control step, each rounded to float once as torch rounds a Python float
+ * scalar into a float32 op. */
+typedef struct {
+    float ema_keep;   /* (float)(1 - beta): the Python float 1.0 - 0.1 times a float32 tensor */
+    double ema_beta;  /* beta * loss is a Python float product, rounded by the tensor add */
+    float mu_lo;      /* (float)mu_min */
+    float mu_hi;      /* (float)mu_max */
+    float mu_span;    /* (float)(mu_max - mu_min), the Python float difference */
+    float max_norm;   /* (float)max_grad_norm */
+} tm_dno_consts;
+
+TM_HOST_DEVICE tm_dno_consts
+tm_dno_consts_make(double ema_beta, double mu_min, double mu_max, double max_grad_norm)
+{
+    tm_dno_consts c;
+    c.ema_keep = (float)(1.0 - ema_beta);
+    c.ema_beta = ema_beta;
+    c.mu_lo = (float)mu_min;
+    c.mu_hi = (float)mu_max;
+    c.mu_span = (float)(mu_max - mu_min);
+    c.max_norm = (float)max_grad_norm;
+    return c;
+}
+
+/* ema = (1 - beta) * ema + beta * L, as the reference's `0.9 * ema + 0.1 * loss` evaluates it:
+ * a float32 multiply, the double product beta * L rounded to float, a float32 add. */
+TM_HOST_DEVICE float
+tm_dno_ema_elem(float ema, float loss, const tm_dno_consts *c)
+{
+    return tm_fadd(tm_fmul(ema, c->ema_keep), (float)(c->ema_beta * (double)loss));
+}
+
+/* Controller step 1 (spec 4): a non-finite input becomes 1.0. The stats of spec 3 already turned
+ * non-finite norms into 1.0 and kept a non-finite depth, so this is the same for every column. */
+TM_HOST_DEVICE float
+tm_dno_clean(float x)
+{
+    return isfinite(x) ? x : 1.0f;
+}
+
+/* One output unit of a Linear layer, b + sum_k w[k] x[k], then ReLU when relu (torch.relu keeps
+ * NaN). Products of floats are exact in double, so the double sum in index order gives the same
+ * bits on both backends whether or not it is contracted, and is rounded to float once. */
+TM_HOST_DEVICE float
+tm_dno_unit(const float *w, float b, const float *x, int32_t n, int relu)
+{
+    double acc = 0.0;
+    for (int32_t k = 0; k < n; k++) {
+        acc += (double)w[k] * (double)x[k];
+    }
+    float y = (float)(acc + (double)b);
+    return (relu && y < 0.0f) ? 0.0f : y;
+}
+
+/* Controller steps 3 and 4: mu = clamp(mu_min + (mu_max - mu_min) * sigmoid(r), mu_min, mu_max),
+ * a non-finite mu -> 1.0. sigmoid in double, rounded once (torch's float sigmoid is within an
+ * ulp or two of that); the affine map and clamp in float32 as torch's scalar ops. */
+TM_HOST_DEVICE float
+tm_dno_mu_elem(float r, const tm_dno_consts *c)
+{
+    float s = (float)(1.0 / (1.0 + exp(-(double)r)));
+    float mu = tm_fadd(c->mu_lo, tm_fmul(c->mu_span, s));
+    mu = (mu < c->mu_lo) ? c->mu_lo : mu; /* NaN passes both, as in torch.clamp */
+    mu = (mu > c->mu_hi) ? c->mu_hi : mu;
+    return isfinite(mu) ? mu : 1.0f;
+}
+
+/* lr = base_lr * mu: the reference writes the Python float product into the AdamW group, so it
+ * is formed in double and rounded to the float32 lr tensor once. */
+TM_HOST_DEVICE float
+tm_dno_lr_elem(double base_lr, float mu)
+{
+    return (float)(base_lr * (double)mu);
 }
 
 #endif /* TM_MATH_H */

@@ -115,6 +115,19 @@ tm_adamw_step(const tm_adamw_tensors *t, const tm_adamw_args *args, const tm_ada
 }
 
 tm_status
+tm_dno_control(const tm_dno_control_tensors *t, const tm_dno_control_args *args,
+               const tm_exec *exec)
+{
+    tm_device_ref ref;
+    tm_clear_error();
+    TM_TRY(tm_validate_dno_control(t, args, exec, &ref));
+    if (on_cuda(&ref)) {
+        return TM_ON_CUDA(cuda_dno_control(t, args, exec), &ref);
+    }
+    return cpu_dno_control(t, args, exec);
+}
+
+tm_status
 tm_cpu_select_isa(const char *name)
 {
     tm_clear_error();

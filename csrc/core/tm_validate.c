@@ -190,6 +190,26 @@ check_adamw_groups(const tm_adamw_args *args)
     return TM_OK;
 }
 
+/* zero_grads_on_skip writes zeros into every grad when skip is set, so grads must be writable,
+ * and skip must not lie inside a grad: CUDA blocks zeroing their chunks would race with the
+ * blocks still reading it. */
+static tm_status
+check_zeroable_grads(const tm_tensor_list *grads, const tm_tensor *skip)
+{
+    for (int32_t i = 0; i < grads->count; i++) {
+        const tm_tensor *g = &grads->tensors[i];
+        const char *a = g->data;
+        const char *b = skip->data;
+        TM_CHECK((g->flags & TM_TENSOR_READ_ONLY) == 0, TM_ERR_BUFFER,
+                 "%s[%d]: read-only, cannot be zeroed", grads->name, (int)i);
+        TM_CHECK(g->numel == 0 || !(b < a + g->numel * (int64_t)tm_dtype_size(g->dtype) &&
+                                    a < b + sizeof(float)),
+                 TM_ERR_VALUE, "skip: shares memory with %s[%d], which it may zero",
+                 grads->name, (int)i);
+    }
+    return TM_OK;
+}
+
 tm_status
 tm_validate_adamw(const tm_adamw_tensors *t, const tm_adamw_args *args, const tm_adamw_inputs *in,
                   const tm_exec *exec, tm_device_ref *ref)
@@ -212,6 +232,9 @@ tm_validate_adamw(const tm_adamw_tensors *t, const tm_adamw_args *args, const tm
     TM_TRY(tm_roles_structure(roles, ADAMW_ROLES));
     TM_TRY(check_adamw_counts(roles, args));
     TM_TRY(tm_roles_check(roles, ADAMW_ROLES, ref));
+    if (args->zero_grads_on_skip && tm_tensor_given(&in->skip)) {
+        TM_TRY(check_zeroable_grads(&roles[ADAMW_GRADS].list, &in->skip));
+    }
     TM_TRY(check_steps(&roles[ADAMW_STEP].list));
     TM_TRY(check_adamw_groups(args));
     TM_TRY(check_group_of(args->group_of, t->params.count, args->num_groups));

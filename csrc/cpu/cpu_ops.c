@@ -11,13 +11,16 @@
  * AdamW follows torch.optim.AdamW per tensor: step += 1, coefficients (bias corrections) from
  * the new step in double via tm_adamw_coeffs_make, then tm_adamw_elem on every element. Steps are
  * read while the elements are updated and written after, so a thread starting in the middle of
- * a tensor sees the same step as the thread that has its first block.
+ * a tensor sees the same step as the thread that has its first block. A nonzero skip[0] changes
+ * nothing, or with zero_grads_on_skip writes 0 into every grad and nothing else.
  */
 #include "cpu_ops.h"
 
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+
+#include <string.h>
 
 #include "../common/tm_tensor.h"
 
@@ -119,11 +122,26 @@ adamw_segment(void *vctx, int32_t i, int64_t b0, int64_t b1, int64_t global_bloc
                          cpu_elem_ptr(&t->exp_avg_sq.tensors[i], offset), vmax, n, &c);
 }
 
+/* zero_grads_on_skip: the DNO's NaN guard zeroes the gradients instead of stepping. All-zero
+ * bytes are +0.0 in every supported dtype. */
+static void
+zero_segment(void *vctx, int32_t i, int64_t b0, int64_t b1, int64_t global_block)
+{
+    const tm_tensor *g = &((const tm_tensor_list *)vctx)->tensors[i];
+    int64_t offset;
+    int64_t n = cpu_segment_elems(g->numel, b0, b1, &offset);
+    (void)global_block;
+    memset(cpu_elem_ptr(g, offset), 0, (size_t)n * tm_dtype_size(g->dtype));
+}
+
 tm_status
 cpu_adamw_step(const tm_adamw_tensors *t, const tm_adamw_args *args, const tm_adamw_inputs *in,
                const tm_exec *exec)
 {
     if (tm_tensor_given(&in->skip) && *(const float *)in->skip.data != 0.0f) {
+        if (args->zero_grads_on_skip) {
+            cpu_for_each_block(&t->grads, exec, zero_segment, (void *)&t->grads);
+        }
         return TM_OK;
     }
     adamw_ctx ctx = {

@@ -76,7 +76,7 @@ cpu_max_nan(double a, double b)
     return (b > a || b != b) ? b : a;
 }
 
-/* cpu_ops.c / cpu_norms.c: the drivers. */
+/* cpu_ops.c / cpu_norms.c / cpu_dno.c: the drivers. */
 size_t cpu_norms_scratch_bytes(const tm_tensor_list *grads, const tm_tensor_list *params);
 tm_status cpu_norms(const tm_tensor_list *grads, const tm_tensor_list *params,
                     const tm_norms_args *args, const tm_norms_out *out, const tm_exec *exec);
@@ -85,6 +85,8 @@ tm_status cpu_clip_coef(const tm_tensor *total_norm, double max_norm, const tm_t
 tm_status cpu_scale(const tm_tensor_list *tensors, const tm_tensor *scale, const tm_exec *exec);
 tm_status cpu_adamw_step(const tm_adamw_tensors *t, const tm_adamw_args *args,
                          const tm_adamw_inputs *in, const tm_exec *exec);
+tm_status cpu_dno_control(const tm_dno_control_tensors *t, const tm_dno_control_args *args,
+                          const tm_exec *exec);
 
 /* A run of blocks [block_begin, block_end) of tensor `tensor`; global_block is the index of
  * block_begin among all blocks of the call (where its partials go in scratch). */

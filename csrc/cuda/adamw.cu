@@ -23,7 +23,9 @@
  * it adds 1 to every step of the launch, numel-0 tensors included, and stores 0 back to the
  * counter, which the next launch on the stream sees (stream order). So the scratch is zero
  * between calls, as titanmac.h promises. The counter is the only atomic; results do not depend
- * on block order. With skip[0] != 0 every block returns before touching anything.
+ * on block order. With skip[0] != 0 every block returns before touching the counter, the
+ * steps or any state; with zero_grads_on_skip it first stores zeros into its chunk of the grad
+ * (the DNO's NaN guard), so every grad element is zeroed exactly once and the counter stays 0.
  * Two calls must not share one scratch concurrently (different streams): they would share the
  * counter.
  *
@@ -49,6 +51,7 @@ struct adamw_args {
     const float *grad_scale; /* [1], NULL = 1 */
     const float *skip;       /* [1], NULL = never */
     unsigned int *counter;   /* scratch: finished blocks of the running launch */
+    int32_t zero_grads;      /* zero_grads_on_skip */
 };
 
 /* DEPTH 4: p, g, m, v; DEPTH 5: + vmax (amsgrad). Indexed by TM_IDX_*. */
@@ -175,6 +178,22 @@ adamw_count_steps(const adamw_meta<DEPTH> &meta, unsigned int *counter)
     }
 }
 
+/* Skipped step with zero_grads_on_skip: this block's chunk of the grad becomes +0.0. */
+template <typename T, int DEPTH>
+static __device__ __forceinline__ void
+adamw_zero_grad_chunk(const adamw_meta<DEPTH> &meta)
+{
+    int32_t i;
+    int32_t len;
+    int64_t start;
+    locate_chunk(meta.t, blockIdx.x, &i, &start, &len);
+    T *g = (T *)meta.ptr[TM_IDX_GRAD][i] + start;
+    const T zero = from_float<T>(0.0f);
+    for (int32_t k = threadIdx.x; k < len; k += TM_BLOCK) {
+        g[k] = zero;
+    }
+}
+
 /* Block b -> chunk b of the launch. A launch holding only numel-0 tensors has one block with no
  * chunk, which still counts their steps. */
 template <typename T, int DEPTH>
@@ -182,10 +201,13 @@ __global__ void __launch_bounds__(TM_BLOCK, TM_MIN_BLOCKS)
 adamw_kernel(const __grid_constant__ adamw_meta<DEPTH> meta, const adamw_args args)
 {
     __shared__ tm_adamw_coeffs s_coeffs;
-    if (args.skip != NULL && args.skip[0] != 0.0f) {
-        return; /* the same answer in every block: nothing changes, counter included */
-    }
     const bool has_chunk = blockIdx.x < meta.t.num_chunks;
+    if (args.skip != NULL && args.skip[0] != 0.0f) {
+        if (args.zero_grads && has_chunk) {
+            adamw_zero_grad_chunk<T>(meta);
+        }
+        return; /* the same answer in every block: no step, no state, counter untouched */
+    }
     int32_t i = 0;
     int32_t len = 0;
     int64_t start = 0;
@@ -325,6 +347,7 @@ cuda_adamw_step(const tm_adamw_tensors *t, const tm_adamw_args *args, const tm_a
     walk.args.grad_scale = (const float *)in->grad_scale.data; /* NULL when not given */
     walk.args.skip = (const float *)in->skip.data;
     walk.args.counter = (unsigned int *)exec->scratch;
+    walk.args.zero_grads = args->zero_grads_on_skip != 0;
     walk.stream = cuda_stream_of(exec);
     for (tm_dtype dtype : dtypes) { /* one launch series per dtype: T is a template parameter */
         walk.dtype = dtype;

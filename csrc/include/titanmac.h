@@ -143,6 +143,8 @@ typedef struct {
 
 typedef struct {
     int32_t amsgrad;              /* nonzero: keep max_exp_avg_sq, use its sqrt in the denominator */
+    int32_t zero_grads_on_skip;   /* nonzero: when skip is set, zero every grad instead (grads must
+                                     then be writable); the DeepNestedOptimizer's NaN guard */
     int32_t num_groups;           /* >= 1 */
     const tm_adamw_group *groups; /* host array [num_groups] */
     const int32_t *group_of;      /* host array [params.count]; NULL = all in group 0 */
@@ -180,6 +182,48 @@ size_t tm_adamw_scratch_bytes(const tm_adamw_tensors *t);
  * all element math in float32, bias corrections in double. */
 tm_status tm_adamw_step(const tm_adamw_tensors *t, const tm_adamw_args *args,
                         const tm_adamw_inputs *in, const tm_exec *exec);
+
+/* ---------------------------------------------------------------- DeepNestedOptimizer ---- */
+
+/* Host settings of one DeepNestedOptimizer control step (spec deep_nested_optimizer.md 3-6). */
+typedef struct {
+    int32_t num_groups;      /* G >= 1 */
+    int32_t hidden;          /* controller width H >= 1 */
+    int32_t layers;          /* controller hidden layers L >= 1 */
+    int32_t update_controller; /* nonzero on steps where stats + controller run (t % F_c == 0 or t == 1) */
+    int32_t first_step;      /* nonzero when t == 1: the EMA starts at the loss */
+    int32_t check_loss;      /* nonzero: a non-finite loss[0] skips the step (device-side guard) */
+    double base_lr;          /* lr[g] = base_lr * mu[g] */
+    double max_grad_norm;    /* > 0: clip coefficient and NaN-gradient guard; <= 0: coef = 1, no guard */
+    double ema_beta;         /* 0.1: ema = (1 - beta) * ema + beta * loss */
+    double mu_min, mu_max;   /* 0.1, 2.0 */
+} tm_dno_control_args;
+
+/* Tensors of a control step, all float32 on one device. */
+typedef struct {
+    tm_tensor group_grad;  /* in  [G] pre-clip gradient norm per group (tm_norms)            */
+    tm_tensor group_param; /* in  [G] parameter norm per group (read when update_controller) */
+    tm_tensor total_grad;  /* in  [1] pre-clip global gradient norm (read when clipping)      */
+    tm_tensor depths;      /* in  [G] group depths (stats column 2)                           */
+    tm_tensor loss;        /* in  [1] the step's loss                                         */
+    tm_tensor_list weights; /* in controller Linear weights/biases in order: W0 [H,3], b0 [H],
+                               (W_i [H,H], b_i [H]) x (L-1), W_out [1,H], b_out [1]          */
+    tm_tensor mu;          /* in/out [G] lr multipliers; rewritten on controller steps        */
+    tm_tensor ema;         /* in/out [2] EMA of the loss (both entries equal)                 */
+    tm_tensor lr;          /* out [G] base_lr * mu                                            */
+    tm_tensor coef;        /* out [1] clip coefficient for tm_adamw_step's grad_scale         */
+    tm_tensor skip;        /* out [1] 1.0f when the loss (check_loss) or the clipped norm is
+                              non-finite, else 0.0f: tm_adamw_step's skip                     */
+} tm_dno_control_tensors;
+
+/* One fused control step, the spec's order: a non-finite loss skips everything (mu, ema
+ * unchanged); else ema update; on controller steps S[g] = (grad norm, param norm, depth) with
+ * non-finite norms replaced by 1.0, r = MLP(S[g]) (Linear/ReLU stack), mu = clamp(mu_min +
+ * (mu_max - mu_min) * sigmoid(r), mu_min, mu_max), a non-finite mu -> 1.0; then lr = base_lr *
+ * mu; clip coef = min(1, max_grad_norm / (total + 1e-6)) and a non-finite total sets skip.
+ * One thread of work: it runs as a single tiny kernel on CUDA, so no value visits the host. */
+tm_status tm_dno_control(const tm_dno_control_tensors *t, const tm_dno_control_args *args,
+                         const tm_exec *exec);
 
 /* ---------------------------------------------------------------- backends ---- */
 

@@ -35,8 +35,9 @@ py_cuda_compiled(PyObject *module, PyObject *unused)
 static PyMethodDef module_methods[] = {
     {"adamw_step", KW(py_adamw_step),
      "adamw_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, groups, "
-     "group_of=None, *, amsgrad=False, grad_scale=None, skip=None, num_threads=1, stream=None, "
-     "scratch=None)\n--\n\nOne AdamW step over lists of tensors (tm_adamw_step)."},
+     "group_of=None, *, amsgrad=False, grad_scale=None, skip=None, zero_grads_on_skip=False, "
+     "num_threads=1, stream=None, scratch=None)\n--\n\n"
+     "One AdamW step over lists of tensors (tm_adamw_step)."},
     {"adamw_scratch_bytes", KW(py_adamw_scratch_bytes),
      "adamw_scratch_bytes(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)\n--\n\n"
      "Bytes of scratch adamw_step needs for these tensors."},
@@ -51,6 +52,11 @@ static PyMethodDef module_methods[] = {
      "coef = min(1, max_norm / (total_norm + 1e-6)) on the tensors' device."},
     {"scale_", KW(py_scale),
      "scale_(tensors, scale, *, num_threads=1, stream=None)\n--\n\nt *= scale[0] for each t."},
+    {"dno_control", KW(py_dno_control),
+     "dno_control(group_grad, group_param, total_grad, depths, loss, weights, mu, ema, lr, coef, "
+     "skip, *, hidden, layers, update_controller, first_step, check_loss, base_lr, "
+     "max_grad_norm, ema_beta=0.1, mu_min=0.1, mu_max=2.0, stream=None)\n--\n\n"
+     "One DeepNestedOptimizer control step on the tensors' device (tm_dno_control)."},
     {"cpu_isa", py_cpu_isa, METH_NOARGS,
      "cpu_isa()\n--\n\nThe CPU instruction set in use: generic, avx2 or avx512."},
     {"_select_cpu_isa", KW(py_select_cpu_isa),

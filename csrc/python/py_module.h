@@ -63,6 +63,7 @@ PyObject *py_norms(PyObject *module, PyObject *args, PyObject *kwargs);
 PyObject *py_norms_scratch_bytes(PyObject *module, PyObject *args, PyObject *kwargs);
 PyObject *py_clip_coef(PyObject *module, PyObject *args, PyObject *kwargs);
 PyObject *py_scale(PyObject *module, PyObject *args, PyObject *kwargs);
+PyObject *py_dno_control(PyObject *module, PyObject *args, PyObject *kwargs);
 PyObject *py_select_cpu_isa(PyObject *module, PyObject *args, PyObject *kwargs);
 PyObject *py_dlpack_intake(PyObject *module, PyObject *args, PyObject *kwargs);
 PyObject *py_import_info(PyObject *module, PyObject *args, PyObject *kwargs);

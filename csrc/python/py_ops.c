@@ -29,20 +29,20 @@ py_adamw_step(PyObject *module, PyObject *args, PyObject *kwargs)
 {
     static char *kwlist[] = {"params", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs",
                              "steps", "lr", "groups", "group_of", "amsgrad", "grad_scale", "skip",
-                             "num_threads", "stream", "scratch", NULL};
+                             "zero_grads_on_skip", "num_threads", "stream", "scratch", NULL};
     PyObject *l[6], *lr, *groups, *group_of = Py_None, *grad_scale = Py_None, *skip = Py_None;
     PyObject *stream = Py_None, *scratch = Py_None;
-    int amsgrad = 0, num_threads = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOOO|O$pOOiOO:adamw_step", kwlist, &l[0],
+    int amsgrad = 0, zero_grads = 0, num_threads = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOOO|O$pOOpiOO:adamw_step", kwlist, &l[0],
                                      &l[1], &l[2], &l[3], &l[4], &l[5], &lr, &groups, &group_of,
-                                     &amsgrad, &grad_scale, &skip, &num_threads, &stream,
-                                     &scratch)) {
+                                     &amsgrad, &grad_scale, &skip, &zero_grads, &num_threads,
+                                     &stream, &scratch)) {
         return NULL;
     }
     py_batch b;
     py_call c = {.heap = NULL};
     tm_adamw_tensors t;
-    tm_adamw_args a = {.amsgrad = amsgrad};
+    tm_adamw_args a = {.amsgrad = amsgrad, .zero_grads_on_skip = zero_grads};
     tm_adamw_inputs in;
     tm_status status = TM_OK;
     int ran = 0;
@@ -201,6 +201,90 @@ py_scale(PyObject *module, PyObject *args, PyObject *kwargs)
         goto done;
     }
     PY_RUN(c, status, tm_scale(&t, &s, &c.ex));
+    ran = 1;
+done:
+    return py_finish(&b, &c, ran, status);
+}
+
+/* ---------------------------------------------------------------- DeepNestedOptimizer ---- */
+
+/* The keyword-only arguments without a default (PyArg_Parse* has no required keyword-only
+ * arguments): NULL after parsing means missing, reported as CPython reports it. */
+static int
+dno_required(PyObject *const obj[7], tm_dno_control_args *a)
+{
+    static const char *const names[7] = {"hidden", "layers", "update_controller", "first_step",
+                                         "check_loss", "base_lr", "max_grad_norm"};
+    for (int k = 0; k < 7; k++) {
+        if (obj[k] == NULL) {
+            PyErr_Format(PyExc_TypeError,
+                         "dno_control() missing required keyword-only argument: '%s'", names[k]);
+            return -1;
+        }
+    }
+    int v[5];
+    for (int k = 0; k < 5; k++) {
+        long x = k < 2 ? PyLong_AsLong(obj[k]) : PyObject_IsTrue(obj[k]);
+        if (x == -1 && PyErr_Occurred()) {
+            return -1;
+        }
+        if (x < INT32_MIN || x > INT32_MAX) {
+            PyErr_Format(PyExc_ValueError, "%s = %ld: out of range", names[k], x);
+            return -1;
+        }
+        v[k] = (int)x;
+    }
+    a->hidden = v[0];
+    a->layers = v[1];
+    a->update_controller = v[2];
+    a->first_step = v[3];
+    a->check_loss = v[4];
+    a->base_lr = PyFloat_AsDouble(obj[5]);
+    a->max_grad_norm = PyFloat_AsDouble(obj[6]);
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+PyObject *
+py_dno_control(PyObject *module, PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {"group_grad", "group_param", "total_grad", "depths", "loss",
+                             "weights", "mu", "ema", "lr", "coef", "skip", "hidden", "layers",
+                             "update_controller", "first_step", "check_loss", "base_lr",
+                             "max_grad_norm", "ema_beta", "mu_min", "mu_max", "stream", NULL};
+    PyObject *o[11], *req[7] = {NULL}, *stream = Py_None;
+    tm_dno_control_args a = {.ema_beta = 0.1, .mu_min = 0.1, .mu_max = 2.0};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOOOOOO|$OOOOOOOdddO:dno_control", kwlist,
+                                     &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6], &o[7], &o[8],
+                                     &o[9], &o[10], &req[0], &req[1], &req[2], &req[3], &req[4],
+                                     &req[5], &req[6], &a.ema_beta, &a.mu_min, &a.mu_max,
+                                     &stream) ||
+        dno_required(req, &a) < 0) {
+        return NULL;
+    }
+    static const char *const names[11] = {"group_grad", "group_param", "total_grad", "depths",
+                                           "loss", "weights", "mu", "ema", "lr", "coef", "skip"};
+    py_batch b;
+    py_call c = {.heap = NULL};
+    tm_dno_control_tensors t;
+    tm_tensor *lone[11] = {&t.group_grad, &t.group_param, &t.total_grad, &t.depths, &t.loss,
+                           NULL, &t.mu, &t.ema, &t.lr, &t.coef, &t.skip};
+    tm_status status = TM_OK;
+    int ran = 0;
+    a.num_groups = 0;
+    py_batch_init(&b, py_get_state(module));
+    for (int k = 0; k < 11; k++) {
+        int rc = k == 5 ? py_import_list(&b, o[k], names[k], 0, &t.weights)
+                        : py_import(&b, o[k], names[k], -1, 0, lone[k], NULL, NULL);
+        if (rc < 0) {
+            goto done;
+        }
+    }
+    /* G is group_grad's length; the core checks every other [G] tensor against it */
+    a.num_groups = t.group_grad.numel <= INT32_MAX ? (int32_t)t.group_grad.numel : -1;
+    if (py_setup_call(&b, &t.group_grad, 1, stream, Py_None, 0, "", &c) < 0) {
+        goto done;
+    }
+    PY_RUN(c, status, tm_dno_control(&t, &a, &c.ex));
     ran = 1;
 done:
     return py_finish(&b, &c, ran, status);

@@ -1,0 +1,459 @@
+"""titanmac_c.DeepNestedOptimizer: TitanMAC's DeepNestedOptimizer (same constructor, same step()
+results, same checkpoints) with the step run by the C core.
+
+Specification: shared/reference/deep_nested_optimizer.md (section numbers below refer to it); the
+executable spec is titanmac_c._reference_dno. One step in AdamW mode is three calls into C:
+
+  1. tm_norms         one pass over the gradients (and, on controller steps, the parameters):
+                      per-group and global norms, pre-clip (spec 3, 8)
+  2. tm_dno_control   EMA of the loss, stats -> NestedController -> multipliers mu (spec 4),
+                      lr = base_lr * mu, clip coefficient, NaN-loss / NaN-gradient skip flag
+                      (spec 5), all on the device
+  3. tm_adamw_step    AdamW with the per-group lr, the clip coefficient multiplied into each
+                      gradient as it is loaded, and the skip flag; a skipped step zeroes the
+                      gradients and does not advance AdamW's step counts (spec 6)
+
+No value visits the host, except where the caller gives a Python float loss (checked on the host,
+as the reference does) and on meta-update steps (every meta_update_freq steps, host logic on a
+few numbers). With use_cuda_graph=True the three calls are captured once after the warm-up steps
+and replayed, with gradient buffers that keep their addresses (spec 11, fixing B8-B10).
+
+The controller and momentum networks are the reference's torch modules (same parameter names,
+same state_dict keys); the C core evaluates the controller from the module's own weights. The
+meta-updates train them with torch autograd, as the reference does.
+
+CMS mode (use_cms_updates=True) is not implemented yet and raises NotImplementedError.
+"""
+
+import math
+import warnings
+
+import torch
+
+from . import _C
+from ._reference_dno import (
+    DIRECT_MLP_MAX_HIDDEN,
+    EMA_LOSS_BETA,
+    EXPLICIT_META_ROWS,
+    IMPROVEMENT_THRESHOLD,
+    MAX_LR_MULT,
+    META_GRAD_CLIP,
+    MIN_LR_MULT,
+    N_GROUPS,
+    SURROGATE_FREQ,
+    SURROGATE_LR,
+    DirectUpdateMLP,
+    L2RegressionMomentum,
+    NestedController,
+    SimplifiedMetaTrainer,
+    UnrolledMetaTrainer,
+    _default_loss_fn,
+    _model_n_layers,
+    group_moe_params,
+    infer_param_depth,
+)
+from ._runtime import exec_kwargs, norms_scratch
+from .functional import clip_grad_norm_
+from .optim import AdamW
+
+
+def _check_int(name, value, low):
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} = {value!r}: must be an int >= {low}")
+    return value
+
+
+def _check_float(name, value, low=0.0):
+    value = float(value)
+    if not (math.isfinite(value) and value >= low):
+        raise ValueError(f"{name} = {value}: must be finite and >= {low}")
+    return value
+
+
+class DeepNestedOptimizer:
+    """Drop-in for titans_core.opt.DeepNestedOptimizer (constructor of spec 2.1)."""
+
+    def __init__(self, model, base_lr=1e-3, meta_lr=1e-4, k_unroll=5, cms_frequencies=None,
+                 momentum_hidden_dim=64, momentum_num_layers=2, controller_hidden_dim=32,
+                 controller_num_layers=2, use_gradient_checkpointing=True, mode="simple",
+                 meta_update_freq=100, weight_decay=0.0, max_grad_norm=1.0, low_memory=False,
+                 use_cms_updates=False, use_preprocessing=True, use_compile=False,
+                 controller_update_freq=1, use_cuda_graph=False, cuda_graph_warmup_steps=3):
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
+        if mode not in ("simple", "explicit"):
+            raise ValueError(f"mode must be 'simple' or 'explicit', got {mode!r}")
+        if cms_frequencies is None:
+            cms_frequencies = [1] if low_memory else [1, 10, 100]
+        if not cms_frequencies or not all(isinstance(f, int) and f >= 1 for f in cms_frequencies):
+            raise ValueError(f"cms_frequencies = {cms_frequencies!r}: a non-empty list of ints >= 1")
+        if use_cms_updates:
+            raise NotImplementedError(
+                "titanmac_c.DeepNestedOptimizer: use_cms_updates=True (CMS mode) is not "
+                "implemented yet; AdamW mode (the default) is")
+        self.model = model
+        self.base_lr = _check_float("base_lr", base_lr)
+        self.meta_lr = _check_float("meta_lr", meta_lr)
+        self.k_unroll = _check_int("k_unroll", k_unroll, 1)
+        self.cms_frequencies = list(cms_frequencies)
+        self.momentum_hidden_dim = _check_int("momentum_hidden_dim", momentum_hidden_dim, 1)
+        self.momentum_num_layers = _check_int("momentum_num_layers", momentum_num_layers, 1)
+        self.controller_hidden_dim = _check_int("controller_hidden_dim", controller_hidden_dim, 1)
+        self.controller_num_layers = _check_int("controller_num_layers", controller_num_layers, 1)
+        self.use_gradient_checkpointing = bool(use_gradient_checkpointing)
+        self.mode = mode
+        self.meta_update_freq = _check_int("meta_update_freq", meta_update_freq, 1)
+        self.weight_decay = _check_float("weight_decay", weight_decay)
+        self.max_grad_norm = _check_float("max_grad_norm", max_grad_norm, -math.inf)
+        self.low_memory = bool(low_memory)
+        self.use_cms_updates = False
+        self.use_preprocessing = bool(use_preprocessing)
+        self.use_compile = bool(use_compile)  # accepted; the controller forward runs in C anyway
+        self.controller_update_freq = _check_int("controller_update_freq",
+                                                 controller_update_freq, 1)
+        self.cuda_graph_warmup_steps = _check_int("cuda_graph_warmup_steps",
+                                                  cuda_graph_warmup_steps, 1)
+        params = [p for p in model.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError("model has no parameters that require gradients")
+        self.device = params[0].device
+        self.n_groups = N_GROUPS
+
+        # spec 2.1 objects, in the reference's order (CMS state only in CMS mode: B11 fixed)
+        groups, group_names = group_moe_params(model)
+        self.base_optimizer = AdamW(groups, lr=self.base_lr, weight_decay=self.weight_decay)
+        if self.use_preprocessing:
+            mlp = DirectUpdateMLP(hidden_dim=min(momentum_hidden_dim, DIRECT_MLP_MAX_HIDDEN),
+                                  num_layers=momentum_num_layers)
+        else:
+            mlp = L2RegressionMomentum(hidden_dim=momentum_hidden_dim,
+                                       num_layers=momentum_num_layers)
+        self.momentum_mlp = mlp.to(self.device)
+        self.controller = NestedController(hidden_dim=controller_hidden_dim,
+                                           num_layers=controller_num_layers,
+                                           n_groups=N_GROUPS).to(self.device)
+        self.meta_optimizer = torch.optim.Adam(
+            list(self.momentum_mlp.parameters()) + list(self.controller.parameters()), lr=meta_lr)
+        self.mlp_optimizer = (torch.optim.Adam(self.momentum_mlp.parameters(), lr=SURROGATE_LR)
+                              if self.use_preprocessing else None)
+        self.mlp_train_freq = SURROGATE_FREQ
+        self.state = {}
+        self.global_step = 0
+        self.last_meta_loss = None
+        self.controller_grad_norm = 0.0
+        self._stored_loss = None
+        self._warned_no_loss = False
+        self.meta_trainer = SimplifiedMetaTrainer(window_size=meta_update_freq,
+                                                  improvement_threshold=IMPROVEMENT_THRESHOLD)
+        self.unrolled_trainer = UnrolledMetaTrainer(k_steps=k_unroll,
+                                                    use_checkpointing=use_gradient_checkpointing)
+        n_layers = _model_n_layers(model)
+        depths = [sum(infer_param_depth(n, n_layers) for n in names) / len(names) if names
+                  else 0.5 for names in group_names]
+        self.group_depths = torch.tensor(depths, dtype=torch.float32, device=self.device)
+
+        # Device buffers the C core reads and writes in place (fixed addresses: graph-safe).
+        f32 = dict(dtype=torch.float32, device=self.device)
+        self._lr_multipliers = torch.ones(N_GROUPS, **f32)
+        self.ema_loss = torch.zeros(N_GROUPS, **f32)
+        self._norms = torch.zeros(2 * N_GROUPS + 1, **f32)  # group grad | group param | total
+        self._loss = torch.zeros(1, **f32)
+        self._lr = torch.full((N_GROUPS,), self.base_lr, **f32)
+        self._coef = torch.ones(1, **f32)
+        self.skipped = torch.zeros(1, **f32)  # 1.0 after a step the device-side guards skipped
+        self._graph = _GraphState(self) if use_cuda_graph else None
+        self.use_cuda_graph = self._graph is not None and self._graph.supported()
+
+    # ------------------------------------------------------------------ spec 12, small methods
+
+    @property
+    def param_groups(self):
+        return self.base_optimizer.param_groups
+
+    def set_loss(self, loss_value):
+        self._stored_loss = loss_value
+
+    def zero_grad(self, set_to_none=True):
+        """As the reference: AdamW's zero_grad. In CUDA-graph mode the gradients are zeroed in
+        place instead of freed, so the captured step keeps reading the same buffers."""
+        if self._graph is not None and self._graph.captured:
+            set_to_none = False
+        self.base_optimizer.zero_grad(set_to_none=set_to_none)
+
+    def get_lr_multipliers(self):
+        return self._lr_multipliers.clone()
+
+    def get_effective_lrs(self):
+        return [self.base_lr * m for m in self._lr_multipliers.tolist()]
+
+    def get_momentum_stats(self):
+        """AdamW mode keeps no momentum buffers: the reference's all-zero CMS buffers give 0."""
+        return {"momentum_total_norm": 0.0, "momentum_avg_norm": 0.0,
+                "global_step": self.global_step}
+
+    # ------------------------------------------------------------------ spec 5, the step
+
+    def step(self, loss_value=None):
+        """One step. loss_value: a float or a 0-d tensor (no .item() needed: a non-finite tensor
+        loss is caught on the device). Returns the reference's dict."""
+        self.global_step += 1
+        t = self.global_step
+        loss = self._take_loss(loss_value)
+        if not isinstance(loss, torch.Tensor) and not math.isfinite(loss):
+            warnings.warn(f"DeepNestedOptimizer step {t}: non-finite loss ({loss}), skipping")
+            self.base_optimizer.zero_grad(set_to_none=self._graph is None
+                                          or not self._graph.captured)
+            return {"global_step": t, "lr_multipliers": self._lr_multipliers.tolist(),
+                    "skipped": True, "reason": "nan_loss"}
+        with torch.no_grad():
+            if isinstance(loss, torch.Tensor):
+                self._loss.copy_(loss.detach().reshape(1))
+            else:
+                self._loss.fill_(loss)
+            update = t % self.controller_update_freq == 0 or t == 1
+            if self._graph is None or not self._graph.step(t, update):
+                self._eager_step(t, update, isinstance(loss, torch.Tensor))
+        if self.mode == "simple" and t % self.meta_update_freq == 0:
+            # Host logic every meta_update_freq steps; a step the guard skipped gets no meta update,
+            # as in the reference, whose skip returns before it.
+            if float(self.skipped) == 0.0:
+                clipped = self._coef if self.max_grad_norm > 0 else None
+                self._update_meta_components(float(loss), clipped)
+        return {"global_step": t, "lr_multipliers": self._lr_multipliers.clone(),
+                "ema_loss": self.ema_loss.clone()}
+
+    def _take_loss(self, loss_value):
+        loss = loss_value if loss_value is not None else self._stored_loss
+        self._stored_loss = None
+        if loss is None:
+            if not self._warned_no_loss:
+                warnings.warn("DeepNestedOptimizer.step() called without a loss value; using 0.0")
+                self._warned_no_loss = True
+            return 0.0
+        if isinstance(loss, torch.Tensor):
+            if loss.numel() != 1:
+                raise ValueError(f"loss_value: a tensor loss must have 1 element, "
+                                 f"got shape {tuple(loss.shape)}")
+            return loss
+        return float(loss)
+
+    def _gather(self, with_params):
+        """Grads (and params) of the grouped tensors that have a gradient, with group indices."""
+        grads, params, group_of = [], [], []
+        for gi, group in enumerate(self.base_optimizer.param_groups):
+            for p in group["params"]:
+                if p.grad is not None:
+                    grads.append(p.grad)
+                    params.append(p)
+                    group_of.append(gi)
+        return grads, (params if with_params else None), group_of
+
+    def _run_norms(self, update):
+        """tm_norms into self._norms: group grad norms, group param norms (controller steps),
+        total grad norm. Parameters without a gradient still count in their group's parameter
+        norm (spec 3), through a second pass over just those."""
+        g = N_GROUPS
+        norms = self._norms
+        grads, params, group_of = self._gather(update)
+        if not grads:
+            norms.zero_()
+        else:
+            kw = dict(group_param=norms[g:2 * g] if update else None, group_of=group_of,
+                      num_groups=g, scratch=norms_scratch(self.device, grads, params))
+            _C.norms(grads, params, norms[0:g], norms[2 * g:], **kw, **exec_kwargs(self.device))
+        if update:
+            missing = [(gi, p) for gi, grp in enumerate(self.base_optimizer.param_groups)
+                       for p in grp["params"] if p.grad is None]
+            if missing or not grads:
+                extra = self._param_norms_without_grads(missing)
+                norms[g:2 * g] = torch.sqrt(norms[g:2 * g] ** 2 * bool(grads) + extra ** 2)
+
+    def _param_norms_without_grads(self, missing):
+        g = N_GROUPS
+        out = torch.zeros(g + 1, dtype=torch.float32, device=self.device)
+        if missing:
+            tensors = [p.detach() for _, p in missing]
+            _C.norms(tensors, None, out[0:g], out[g:], group_of=[gi for gi, _ in missing],
+                     num_groups=g, scratch=norms_scratch(self.device, tensors),
+                     **exec_kwargs(self.device))
+        return out[0:g]
+
+    def _control(self, t, update, check_loss, base_lr=None):
+        g = N_GROUPS
+        n = self._norms
+        _C.dno_control(
+            n[0:g], n[g:2 * g], n[2 * g:], self.group_depths, self._loss,
+            [w.detach() for w in self.controller.parameters()], self._lr_multipliers,
+            self.ema_loss, self._lr, self._coef, self.skipped,
+            hidden=self.controller_hidden_dim, layers=self.controller_num_layers,
+            update_controller=update, first_step=(t == 1), check_loss=check_loss,
+            base_lr=self.base_lr if base_lr is None else base_lr,
+            max_grad_norm=self.max_grad_norm, ema_beta=EMA_LOSS_BETA, mu_min=MIN_LR_MULT,
+            mu_max=MAX_LR_MULT, stream=exec_kwargs(self.device).get("stream"))
+
+    def _eager_step(self, t, update, check_loss):
+        self._run_norms(update)
+        self._control(t, update, check_loss)
+        self.base_optimizer._fused_step(lr=self._lr, grad_scale=self._coef, skip=self.skipped,
+                                        zero_grads_on_skip=True)
+
+    # ------------------------------------------------------------------ spec 9, meta-learning
+
+    def _group_stats(self, grad_scale=None):
+        """S [G, 3] as the reference's _compute_group_stats (non-finite norms -> 1.0).
+        grad_scale: the clip coefficient of the step just taken. The reference clips the
+        gradients in place, so stats taken after its step see clipped gradients; ours are
+        scaled only as the update loads them, and ||k g|| = k ||g||."""
+        self._run_norms(True)
+        g = N_GROUPS
+        grad_norms = self._norms[0:g] if grad_scale is None else self._norms[0:g] * grad_scale
+        stats = torch.stack([grad_norms, self._norms[g:2 * g], self.group_depths], dim=1)
+        ones = torch.ones_like(self.group_depths)
+        return torch.where(torch.isfinite(stats),
+                           stats, torch.stack([ones, ones, self.group_depths], dim=1))
+
+    def _update_meta_components(self, loss_value, grad_scale=None):
+        """Spec 9.2. The mean momentum norm is 0 in AdamW mode and the MLP proxy loss is 0 (every
+        sampled tensor's level-0 EMA is zero in the reference), so only the controller learns."""
+        self.meta_trainer.record_step(float(loss_value), self._lr_multipliers.clone(), 0.0)
+        stats = self._group_stats(grad_scale)
+        with torch.enable_grad():
+            self.meta_optimizer.zero_grad()
+            proposed = self.controller(stats)
+            controller_loss = self.meta_trainer.compute_proxy_loss(proposed)
+            mlp_loss = torch.zeros((), device=self.device, requires_grad=True)
+            total = controller_loss + mlp_loss
+            total.backward()
+        meta_params = list(self.momentum_mlp.parameters()) + list(self.controller.parameters())
+        with torch.no_grad():
+            grad_norm = clip_grad_norm_(meta_params, META_GRAD_CLIP)
+        self.meta_optimizer.step()
+        self.last_meta_loss = total.detach()
+        self.controller_grad_norm = grad_norm
+
+    def meta_update(self, val_batch, train_batches=None, loss_fn=None, use_unrolled=True):
+        """Spec 9.4, simplified branch. The unrolled branch is broken in the reference (B3) and
+        raises NotImplementedError here."""
+        loss_fn = loss_fn or _default_loss_fn
+        if use_unrolled and train_batches is not None and len(train_batches) >= self.k_unroll:
+            raise NotImplementedError(
+                "meta_update(use_unrolled=True): the reference's unrolled meta-gradient is "
+                "broken (spec 14, B3); call meta_update(..., use_unrolled=False)")
+        if (isinstance(val_batch, dict) and torch.is_tensor(val_batch.get("input_ids"))
+                and val_batch["input_ids"].shape[0] > EXPLICIT_META_ROWS):
+            val_batch = {k: (v[:EXPLICIT_META_ROWS] if torch.is_tensor(v) and v.ndim > 0 else v)
+                         for k, v in val_batch.items()}
+        with torch.enable_grad():
+            val_loss = loss_fn(self.model, val_batch)
+        val_loss = float(val_loss)
+        self.zero_grad(set_to_none=True)
+        self._update_meta_components(val_loss)
+
+    # ------------------------------------------------------------------ Appendix A, checkpoints
+
+    def state_dict(self):
+        sd = {
+            "base_optimizer": self.base_optimizer.state_dict(),
+            "momentum_mlp": self.momentum_mlp.state_dict(),
+            "controller": self.controller.state_dict(),
+            "meta_optimizer": self.meta_optimizer.state_dict(),
+            "global_step": self.global_step,
+            "lr_multipliers": self._lr_multipliers.clone(),
+            "ema_loss": self.ema_loss.clone(),
+            "cms_state": {},
+        }
+        if self.mlp_optimizer is not None:
+            sd["mlp_optimizer"] = self.mlp_optimizer.state_dict()
+        return sd
+
+    def load_state_dict(self, state_dict):
+        """Loads ours or the reference's layout. Values are copied into the existing device
+        buffers (B10 fixed: nothing lands on the CPU, a captured graph stays valid for the
+        buffers, and is re-captured for the new AdamW state). cms_state is ignored in AdamW
+        mode (the reference's holds only zeros there)."""
+        self.base_optimizer.load_state_dict(state_dict["base_optimizer"])
+        self.momentum_mlp.load_state_dict(state_dict["momentum_mlp"])
+        self.controller.load_state_dict(state_dict["controller"])
+        self.meta_optimizer.load_state_dict(state_dict["meta_optimizer"])
+        if self.mlp_optimizer is not None and "mlp_optimizer" in state_dict:
+            self.mlp_optimizer.load_state_dict(state_dict["mlp_optimizer"])
+        self.global_step = int(state_dict.get("global_step", 0))
+        with torch.no_grad():
+            mult = state_dict.get("lr_multipliers")
+            self._lr_multipliers.copy_(torch.ones(N_GROUPS) if mult is None else
+                                       torch.as_tensor(mult, dtype=torch.float32))
+            ema = state_dict.get("ema_loss")
+            self.ema_loss.copy_(torch.zeros(N_GROUPS) if ema is None else
+                                torch.as_tensor(ema, dtype=torch.float32))
+        if self._graph is not None:
+            self._graph.reset()
+
+
+class _GraphState:
+    """Spec 11, done so that every step applies its update: after `warmup` eager steps, the three
+    C calls of a step are captured in a CUDA graph (one per controller/no-controller step kind)
+    and replayed; the gradients live in static buffers (zero_grad zeroes them in place, and a
+    gradient that was reallocated anyway is copied in), the learning rate scale is a device
+    tensor, and a reload re-captures."""
+
+    def __init__(self, opt):
+        self.opt = opt
+        self.graphs = {}
+        self.static_grads = None
+        self.base_lr = None
+        self.captured = False
+
+    def supported(self):
+        if self.opt.device.type != "cuda" or not _C.cuda_compiled():
+            warnings.warn("use_cuda_graph=True needs CUDA tensors and the CUDA backend; "
+                          "running eagerly")
+            self.opt._graph = None
+            return False
+        return True
+
+    def reset(self):
+        self.graphs = {}
+        self.static_grads = None
+        self.captured = False
+
+    def _bind_grads(self, params):
+        """Make every parameter's .grad the static buffer the graphs read. False when the set of
+        parameters with gradients changed (then this step runs eagerly)."""
+        if self.static_grads is None:
+            self.static_grads = [p.grad for p in params]
+            return all(g is not None for g in self.static_grads)
+        for p, buf in zip(params, self.static_grads):
+            if p.grad is None or p.grad.shape != buf.shape:
+                return False
+            if p.grad is not buf:
+                buf.copy_(p.grad)
+                p.grad = buf
+        return True
+
+    def step(self, t, update):
+        opt = self.opt
+        if t <= opt.cuda_graph_warmup_steps or t == 1:
+            return False
+        params = [p for g in opt.base_optimizer.param_groups for p in g["params"]]
+        if not self._bind_grads(params):
+            return False
+        if self.base_lr is None:
+            self.base_lr = torch.empty(1, dtype=torch.float32, device=opt.device)
+        self.base_lr.fill_(opt.base_lr)
+        graph = self.graphs.get(update)
+        if graph is None:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self._captured_step(t, update)
+            self.graphs[update] = graph
+            self.captured = True
+        graph.replay()  # capture records without running: replay at once (B8 fixed)
+        return True
+
+    def _captured_step(self, t, update):
+        opt = self.opt
+        opt._run_norms(update)
+        opt._control(t, update, check_loss=True, base_lr=1.0)
+        opt._lr.mul_(self.base_lr)  # base_lr schedules reach the graph through a tensor
+        opt.base_optimizer._fused_step(lr=opt._lr, grad_scale=opt._coef, skip=opt.skipped,
+                                       zero_grads_on_skip=True)
