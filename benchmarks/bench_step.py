@@ -1,14 +1,22 @@
 """Optimizer-step benchmark: titanmac_c against torch, as ratios measured in one run.
 
-For each shape set (total parameters in a number of tensors) it times
-  - AdamW step: titanmac_c.AdamW vs torch.optim.AdamW for-loop, foreach and fused;
+For each shape set it times
+  - AdamW step: titanmac_c.AdamW vs torch.optim.AdamW for-loop (CPU only), foreach and fused;
   - clip + AdamW: titanmac_c (AdamW.clip_grad_norm_ + step: the coefficient is folded into the
-    update) vs torch.nn.utils.clip_grad_norm_ + fused AdamW;
-and reports the median time, the ratio to torch fused, and the effective bandwidth against the
-bytes each step must move (fp32 AdamW 28 B/element, clip + AdamW 32 B/element) as a fraction of
-a device copy (8 B/element) measured in the same run.
+    update) vs torch.nn.utils.clip_grad_norm_ (foreach) + fused AdamW;
+  - stats + clip + AdamW (CUDA): per-group gradient and parameter norms, global clip, AdamW, as
+    the DeepNestedOptimizer needs them: titanmac_c (group_norms + clip + step, three calls) vs
+    torch's best composition (_foreach_norm statistics + clip_grad_norm_(foreach=True) + fused
+    AdamW);
+and reports the median time, the ratio to torch, and the effective bandwidth against the bytes
+each step must move (fp32 AdamW 28 B/element, clip + AdamW 32, stats + clip + AdamW 36) as a
+fraction of a device copy (8 B/element) measured in the same run. On CUDA it also reports host
+time per step (enqueueing, no sync) and kernel launches per step (torch.profiler).
 
-Usage: python benchmarks/bench_step.py [--device cpu|cuda] [--sizes 1M,10M,50M] [--reps 7]
+Shape sets: CPU 1M / 10M / 50M parameters in 50 / 200 / 500 tensors; CUDA the TitanMAC config
+(3.2M in 48 tensors), GPT-2 small (124M in 148 tensors) and a 1B model (16 layers of width 2048).
+
+Usage: python benchmarks/bench_step.py [--device cpu|cuda] [--sizes ...] [--reps N]
                                        [--out benchmarks/out/bench_step.json]
 """
 
@@ -25,6 +33,37 @@ import torch
 import titanmac_c
 
 SHAPES = {"1M": (1_000_000, 50), "10M": (10_000_000, 200), "50M": (50_000_000, 500)}
+
+
+def _transformer_sizes(vocab, ctx, width, layers, ffn, biases=True):
+    """Tensor sizes of a GPT-style model: embeddings, per layer 2 norms, qkv, proj, 2 mlp."""
+    sizes = [vocab * width, ctx * width]
+    for _ in range(layers):
+        sizes += [width, width] if biases else [width]
+        sizes += [width * 3 * width] + ([3 * width] if biases else [])
+        sizes += [width * width] + ([width] if biases else [])
+        sizes += [width, width] if biases else [width]
+        sizes += [width * ffn] + ([ffn] if biases else [])
+        sizes += [ffn * width] + ([width] if biases else [])
+    return sizes + ([width, width] if biases else [width])
+
+
+def named_sizes(name):
+    """(sizes, group_of) of a named shape set: matrices in group 0, the rest in group 1."""
+    if name in SHAPES:
+        sizes = tensor_sizes(*SHAPES[name])
+    elif name == "titanmac":
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
+                                        "tests"))
+        from dno_models import make_titanmac_like_model
+        sizes = [p.numel() for p in make_titanmac_like_model(seed=0).parameters()]
+    elif name == "gpt2":
+        sizes = _transformer_sizes(50257, 1024, 768, 12, 3072)
+    elif name == "1b":
+        sizes = _transformer_sizes(32000, 2048, 2048, 16, 8192, biases=False)
+    else:
+        raise SystemExit(f"unknown shape set {name!r}")
+    return sizes
 
 
 def tensor_sizes(total, count, seed=0):
@@ -57,25 +96,53 @@ def make_case(sizes, device, kind):
     params = [torch.nn.Parameter(torch.randn(n, device=device) * 0.1) for n in sizes]
     for p in params:
         p.grad = torch.randn_like(p) * 0.01
+    big = [p for p in params if p.numel() >= 4096]
+    small = [p for p in params if p.numel() < 4096]
+    groups = [{"params": big}, {"params": small}] if small and big else [{"params": params}]
     if kind == "titanmac_c":
-        opt = titanmac_c.AdamW(params, lr=1e-3, weight_decay=0.01)
+        opt = titanmac_c.AdamW(groups, lr=1e-3, weight_decay=0.01)
     else:
         flags = {"torch_forloop": dict(foreach=False), "torch_foreach": dict(foreach=True),
                  "torch_fused": dict(fused=True)}[kind]
-        opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, **flags)
+        opt = torch.optim.AdamW(groups, lr=1e-3, weight_decay=0.01, **flags)
     return params, opt
 
 
-def step_fn(kind, params, opt, clip):
-    if not clip:
+def torch_group_stats(opt):
+    """The reference's statistics: per group, _foreach_norm of grads and params, combined."""
+    rows = []
+    for group in opt.param_groups:
+        grads = [p.grad for p in group["params"]]
+        gn = torch.stack(list(torch._foreach_norm(grads))).pow(2).sum().sqrt()
+        pn = torch.stack(list(torch._foreach_norm(group["params"]))).pow(2).sum().sqrt()
+        rows.append(torch.stack([gn, pn]))
+    return torch.stack(rows)
+
+
+def step_fn(kind, params, opt, what):
+    if what == "adamw":
         return opt.step
     if kind == "titanmac_c":
+        group_of = [gi for gi, g in enumerate(opt.param_groups) for _ in g["params"]]
+        ordered = [p for g in opt.param_groups for p in g["params"]]
+
         def run():
-            opt.clip_grad_norm_(1.0)
+            total = None
+            if what == "stats+clip+adamw":
+                stats = titanmac_c.group_norms([p.grad for p in ordered],
+                                               [p.detach() for p in ordered], group_of,
+                                               len(opt.param_groups))
+                total = stats.total_grad
+            opt.clip_grad_norm_(1.0, total_norm=total)
             opt.step()
     else:
+        foreach = True if params[0].device.type == "cuda" else None
+
         def run():
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            if what == "stats+clip+adamw":
+                torch_group_stats(opt)
+            # torch's own pick on the CPU (what the recorded CPU table used); foreach on CUDA
+            torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=foreach)
             opt.step()
     return run
 
@@ -87,46 +154,78 @@ def copy_bandwidth(numel, device, timer, reps):
     return 8 * numel / statistics.median(times) / 1e9
 
 
+BYTES_PER_ELEMENT = {"adamw": 28, "clip+adamw": 32, "stats+clip+adamw": 36}
+
+
+def variants_for(device):
+    if device.type == "cuda":
+        return ([("adamw", k) for k in ("titanmac_c", "torch_fused", "torch_foreach")]
+                + [(w, k) for w in ("clip+adamw", "stats+clip+adamw")
+                   for k in ("titanmac_c", "torch_fused")])
+    return ([("adamw", k) for k in ("titanmac_c", "torch_fused", "torch_foreach",
+                                    "torch_forloop")]
+            + [("clip+adamw", k) for k in ("titanmac_c", "torch_fused")])
+
+
+def host_time_and_launches(fn, device):
+    """CUDA: seconds to enqueue one step (no sync) and kernel launches in it."""
+    if device.type != "cuda":
+        return None, None
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    host = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        fn()
+        torch.cuda.synchronize()
+    launches = sum(1 for e in prof.events() if e.name.startswith(("cudaLaunchKernel",
+                                                                   "cuLaunchKernel")))
+    return host, launches
+
+
 def bench_shape(name, device, reps, timer):
-    total, count = SHAPES[name]
-    sizes = tensor_sizes(total, count)
-    variants = [("adamw", k) for k in ("titanmac_c", "torch_fused", "torch_foreach",
-                                       "torch_forloop")]
-    variants += [("clip+adamw", k) for k in ("titanmac_c", "torch_fused")]
+    sizes = named_sizes(name)
+    total, count = sum(sizes), len(sizes)
     cases = {}
-    for what, kind in variants:
+    for what, kind in variants_for(device):
         params, opt = make_case(sizes, device, kind)
-        fn = step_fn(kind, params, opt, what == "clip+adamw")
+        fn = step_fn(kind, params, opt, what)
         fn()  # warm-up: creates state
         cases[(what, kind)] = fn
     times = {key: [] for key in cases}
     for _ in range(reps):  # round-robin so drifts of a shared machine hit every variant alike
         for key, fn in cases.items():
             times[key].append(timer(fn))
+    extra = {key: host_time_and_launches(fn, device) for key, fn in cases.items()}
     copy_gbs = copy_bandwidth(total, device, timer, reps)
     rows = []
     for (what, kind), ts in times.items():
         med = statistics.median(ts)
         base = statistics.median(times[(what, "torch_fused")])
-        bytes_per = 28 if what == "adamw" else 32
-        gbs = bytes_per * total / med / 1e9
-        rows.append(dict(shape=name, tensors=count, op=what, impl=kind, median_ms=med * 1e3,
-                         p90_ms=sorted(ts)[int(0.9 * (len(ts) - 1))] * 1e3,
-                         ratio_vs_torch_fused=med / base, gbs=gbs,
-                         frac_of_copy=gbs / copy_gbs, copy_gbs=copy_gbs))
+        gbs = BYTES_PER_ELEMENT[what] * total / med / 1e9
+        host, launches = extra[(what, kind)]
+        rows.append(dict(shape=name, params=total, tensors=count, op=what, impl=kind,
+                         median_ms=med * 1e3, p90_ms=sorted(ts)[int(0.9 * (len(ts) - 1))] * 1e3,
+                         ratio_vs_torch_fused=med / base, gbs=gbs, frac_of_copy=gbs / copy_gbs,
+                         copy_gbs=copy_gbs, host_us=None if host is None else host * 1e6,
+                         launches=launches))
     del cases
     return rows
 
 
 def print_table(rows):
-    head = (f"{'shape':>5} {'tensors':>7} {'op':>10} {'impl':>14} {'median ms':>10} "
-            f"{'vs fused':>8} {'GB/s':>7} {'of copy':>7}")
+    head = (f"{'shape':>8} {'tensors':>7} {'op':>16} {'impl':>14} {'median ms':>10} "
+            f"{'vs torch':>8} {'GB/s':>7} {'of copy':>7} {'host us':>8} {'launches':>8}")
     print(head)
     print("-" * len(head))
     for r in rows:
-        print(f"{r['shape']:>5} {r['tensors']:>7} {r['op']:>10} {r['impl']:>14} "
-              f"{r['median_ms']:>10.2f} {r['ratio_vs_torch_fused']:>8.2f} {r['gbs']:>7.1f} "
-              f"{r['frac_of_copy']:>7.2f}")
+        host = "-" if r["host_us"] is None else f"{r['host_us']:.0f}"
+        launches = "-" if r["launches"] is None else str(r["launches"])
+        print(f"{r['shape']:>8} {r['tensors']:>7} {r['op']:>16} {r['impl']:>14} "
+              f"{r['median_ms']:>10.3f} {r['ratio_vs_torch_fused']:>8.2f} {r['gbs']:>7.1f} "
+              f"{r['frac_of_copy']:>7.2f} {host:>8} {launches:>8}")
     copies = {r["shape"]: r["copy_gbs"] for r in rows}
     listed = ", ".join(f"{shape}: {gbs:.1f} GB/s" for shape, gbs in copies.items())
     print(f"copy bandwidth (8 B/element) measured in the same run: {listed}")
@@ -135,14 +234,17 @@ def print_table(rows):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--sizes", default="1M,10M,50M")
+    parser.add_argument("--sizes", default=None,
+                        help="shape sets: 1M,10M,50M (CPU default), titanmac,gpt2,1b (CUDA "
+                             "default)")
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--out", default=os.path.join("benchmarks", "out", "bench_step.json"))
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     timer = Timer(device)
     rows = []
-    for name in args.sizes.split(","):
+    sizes = args.sizes or ("titanmac,gpt2,1b" if device.type == "cuda" else "1M,10M,50M")
+    for name in sizes.split(","):
         print(f"[bench_step] {name} ...", file=sys.stderr, flush=True)
         rows.extend(bench_shape(name, device, args.reps, timer))
     print_table(rows)

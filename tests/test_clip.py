@@ -167,3 +167,22 @@ def test_clip_then_step_method_matches_torch_clip_and_adamw():
         torch.testing.assert_close(pa.detach(), pb.detach(), rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(ours.state[pa]["exp_avg"], theirs.state[pb]["exp_avg"],
                                    rtol=1e-5, atol=1e-7)
+
+
+def test_clip_method_with_a_precomputed_norm():
+    """Stats + clip + AdamW as three calls: group_norms gives the total norm, the clip method
+    reuses it; the result equals the clip method's own norm pass."""
+    params_a = make_params(SIZES, "cpu")
+    params_b = clone_params(params_a)
+    ours_a = titanmac_c.AdamW(params_a, lr=1e-3)
+    ours_b = titanmac_c.AdamW(params_b, lr=1e-3)
+    for step in range(8):
+        set_grads(params_a, params_b, step, scale=0.05)
+        stats = titanmac_c.group_norms([p.grad for p in params_a], [p.detach() for p in params_a])
+        n_a = ours_a.clip_grad_norm_(1.0, total_norm=stats.total_grad)
+        n_b = ours_b.clip_grad_norm_(1.0)
+        assert torch.equal(n_a, n_b)
+        ours_a.step()
+        ours_b.step()
+    for a, b in zip(params_a, params_b):
+        assert torch.equal(a, b)

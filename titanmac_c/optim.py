@@ -188,11 +188,14 @@ class AdamW(Optimizer):
         super().zero_grad(set_to_none)
 
     @torch.no_grad()
-    def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False):
+    def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False,
+                        total_norm=None):
         """Total norm of all gradients of this optimizer's parameters (a tensor); the next step()
         multiplies each gradient by min(1, max_norm / (norm + 1e-6)) as it loads it.
 
-        The gradients themselves are not modified. zero_grad() forgets a pending coefficient.
+        total_norm: a float32 tensor holding the norm already (e.g. group_norms().total_grad);
+        then no pass over the gradients is made here. The gradients themselves are not
+        modified. zero_grad() forgets a pending coefficient.
         """
         from .functional import _NONFINITE_MESSAGE, _check_norm_type
 
@@ -200,28 +203,28 @@ class AdamW(Optimizer):
         if not (math.isfinite(max_norm) and max_norm >= 0.0):
             raise ValueError(f"max_norm = {max_norm}: must be finite and >= 0")
         norm_type = _check_norm_type(norm_type)
-        by_device = {}
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    by_device.setdefault(p.grad.device, []).append(p.grad)
-        if not by_device:
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        devices = {g.device for g in grads}
+        if not grads:
             self._clip_coef = {}
             return torch.tensor(0.0)
-        if len(by_device) > 1:
+        if len(devices) > 1:
             raise ValueError("clip_grad_norm_: parameters on several devices; use "
                              "titanmac_c.clip_grad_norm_ instead")
-        (device, grads), = by_device.items()
+        device = grads[0].device
         buf = torch.empty(2, dtype=torch.float32, device=device)
         kwargs = exec_kwargs(device)
-        _C.norms(grads, None, buf[1:2], buf[0:1], norm_type=norm_type,
-                 scratch=norms_scratch(device, grads), **kwargs)
-        total = buf[0]
+        if total_norm is None:
+            _C.norms(grads, None, buf[1:2], buf[0:1], norm_type=norm_type,
+                     scratch=norms_scratch(device, grads), **kwargs)
+            total = buf[0:1]
+        else:
+            total = total_norm.detach().reshape(1)
         if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
             raise RuntimeError(_NONFINITE_MESSAGE.format(norm_type))
-        _C.clip_coef(buf[0:1], max_norm, buf[1:2], stream=kwargs.get("stream"))
+        _C.clip_coef(total, max_norm, buf[1:2], stream=kwargs.get("stream"))
         self._clip_coef = {device: buf[1:2]}
-        return total
+        return total[0]
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -184,12 +184,12 @@ tm_fadd(float a, float b)
 /* Host constants of one control step, each rounded to float once as torch rounds a Python float
  * scalar into a float32 op. */
 typedef struct {
-    float ema_keep;   /* (float)(1 - beta): the Python float 1.0 - 0.1 times a float32 tensor */
-    double ema_beta;  /* beta * loss is a Python float product, rounded by the tensor add */
-    float mu_lo;      /* (float)mu_min */
-    float mu_hi;      /* (float)mu_max */
-    float mu_span;    /* (float)(mu_max - mu_min), the Python float difference */
-    float max_norm;   /* (float)max_grad_norm */
+    float ema_keep;  /* (float)(1 - beta): the Python float 1.0 - 0.1 times a float32 tensor */
+    double ema_beta; /* beta * loss is a Python float product, rounded by the tensor add */
+    float mu_lo;     /* (float)mu_min */
+    float mu_hi;     /* (float)mu_max */
+    float mu_span;   /* (float)(mu_max - mu_min), the Python float difference */
+    float max_norm;  /* (float)max_grad_norm */
 } tm_dno_consts;
 
 TM_HOST_DEVICE tm_dno_consts

@@ -32,8 +32,7 @@ enum {
 static tm_status
 check_dno_sizes(const tm_dno_control_args *a, const tm_tensor_list *weights)
 {
-    TM_CHECK(a->num_groups >= 1, TM_ERR_VALUE, "num_groups = %d: must be >= 1",
-             (int)a->num_groups);
+    TM_CHECK(a->num_groups >= 1, TM_ERR_VALUE, "num_groups = %d: must be >= 1", (int)a->num_groups);
     TM_CHECK(a->hidden >= 1 && a->hidden <= TM_DNO_MAX_HIDDEN, TM_ERR_VALUE,
              "hidden = %d: must be in [1, %d] (on CUDA one thread of one block per hidden unit)",
              (int)a->hidden, TM_DNO_MAX_HIDDEN);
@@ -73,8 +72,8 @@ check_dno_weights(const tm_tensor_list *w, const tm_dno_control_args *a)
         int bias = i % 2 == 1;
         const char *what = bias ? (last ? "1" : "H") : (i == 0 ? "H*3" : (last ? "1*H" : "H*H"));
         int64_t want = bias ? (last ? 1 : h) : (i == 0 ? h * 3 : (last ? h : h * h));
-        TM_CHECK(t->dtype == TM_FLOAT32, TM_ERR_VALUE, "%s[%d]: expected float32, got %s",
-                 w->name, (int)i, tm_dtype_name(t->dtype));
+        TM_CHECK(t->dtype == TM_FLOAT32, TM_ERR_VALUE, "%s[%d]: expected float32, got %s", w->name,
+                 (int)i, tm_dtype_name(t->dtype));
         TM_CHECK(t->numel == want, TM_ERR_VALUE,
                  "%s[%d]: numel %lld does not match the controller's %s = %lld", w->name, (int)i,
                  (long long)t->numel, what, (long long)want);
@@ -93,8 +92,7 @@ check_dno_hparams(const tm_dno_control_args *a)
     TM_CHECK(a->ema_beta >= 0.0 && a->ema_beta <= 1.0, TM_ERR_VALUE,
              "ema_beta = %g: must be in [0, 1]", a->ema_beta);
     TM_CHECK(isfinite(a->mu_min) && isfinite(a->mu_max) && a->mu_min < a->mu_max, TM_ERR_VALUE,
-             "mu_min = %g, mu_max = %g: must be finite with mu_min < mu_max", a->mu_min,
-             a->mu_max);
+             "mu_min = %g, mu_max = %g: must be finite with mu_min < mu_max", a->mu_min, a->mu_max);
     return TM_OK;
 }
 

@@ -59,11 +59,9 @@ run_controller(const tm_dno_control_tensors *t, const tm_dno_control_args *a,
 }
 
 tm_status
-cpu_dno_control(const tm_dno_control_tensors *t, const tm_dno_control_args *a,
-                const tm_exec *exec)
+cpu_dno_control(const tm_dno_control_tensors *t, const tm_dno_control_args *a, const tm_exec *exec)
 {
-    const tm_dno_consts c =
-        tm_dno_consts_make(a->ema_beta, a->mu_min, a->mu_max, a->max_grad_norm);
+    const tm_dno_consts c = tm_dno_consts_make(a->ema_beta, a->mu_min, a->mu_max, a->max_grad_norm);
     const float loss = *(const float *)t->loss.data;
     const float *mu = t->mu.data;
     float *lr = t->lr.data;

@@ -101,8 +101,7 @@ dno_control_kernel(const __grid_constant__ dno_params p)
 }
 
 tm_status
-cuda_dno_control(const tm_dno_control_tensors *t, const tm_dno_control_args *a,
-                 const tm_exec *exec)
+cuda_dno_control(const tm_dno_control_tensors *t, const tm_dno_control_args *a, const tm_exec *exec)
 {
     cuda_device_guard guard;
     TM_TRY(guard.enter(t->mu.device_id));

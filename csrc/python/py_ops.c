@@ -208,13 +208,13 @@ done:
 
 /* ---------------------------------------------------------------- DeepNestedOptimizer ---- */
 
-/* The keyword-only arguments without a default (PyArg_Parse* has no required keyword-only
- * arguments): NULL after parsing means missing, reported as CPython reports it. */
+/* The keyword-only arguments without a default, obj[k] named names[k] (PyArg_Parse* has no
+ * required keyword-only arguments): NULL after parsing means missing, reported as CPython
+ * reports it. Order: hidden, layers, update_controller, first_step, check_loss, base_lr,
+ * max_grad_norm. */
 static int
-dno_required(PyObject *const obj[7], tm_dno_control_args *a)
+dno_required(PyObject *const obj[7], char *const names[7], tm_dno_control_args *a)
 {
-    static const char *const names[7] = {"hidden", "layers", "update_controller", "first_step",
-                                         "check_loss", "base_lr", "max_grad_norm"};
     for (int k = 0; k < 7; k++) {
         if (obj[k] == NULL) {
             PyErr_Format(PyExc_TypeError,
@@ -258,11 +258,9 @@ py_dno_control(PyObject *module, PyObject *args, PyObject *kwargs)
                                      &o[9], &o[10], &req[0], &req[1], &req[2], &req[3], &req[4],
                                      &req[5], &req[6], &a.ema_beta, &a.mu_min, &a.mu_max,
                                      &stream) ||
-        dno_required(req, &a) < 0) {
+        dno_required(req, &kwlist[11], &a) < 0) {
         return NULL;
     }
-    static const char *const names[11] = {"group_grad", "group_param", "total_grad", "depths",
-                                           "loss", "weights", "mu", "ema", "lr", "coef", "skip"};
     py_batch b;
     py_call c = {.heap = NULL};
     tm_dno_control_tensors t;
@@ -270,11 +268,10 @@ py_dno_control(PyObject *module, PyObject *args, PyObject *kwargs)
                            NULL, &t.mu, &t.ema, &t.lr, &t.coef, &t.skip};
     tm_status status = TM_OK;
     int ran = 0;
-    a.num_groups = 0;
     py_batch_init(&b, py_get_state(module));
-    for (int k = 0; k < 11; k++) {
-        int rc = k == 5 ? py_import_list(&b, o[k], names[k], 0, &t.weights)
-                        : py_import(&b, o[k], names[k], -1, 0, lone[k], NULL, NULL);
+    for (int k = 0; k < 11; k++) { /* kwlist[k] names o[k] */
+        int rc = k == 5 ? py_import_list(&b, o[k], kwlist[k], 0, &t.weights)
+                        : py_import(&b, o[k], kwlist[k], -1, 0, lone[k], NULL, NULL);
         if (rc < 0) {
             goto done;
         }
