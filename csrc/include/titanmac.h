@@ -166,7 +166,8 @@ typedef struct {
 typedef struct {
     tm_tensor lr;         /* float32 [num_groups] learning rate of each group */
     tm_tensor grad_scale; /* float32 [1] multiplied into each grad as it is loaded; optional */
-    tm_tensor skip;       /* float32 [1]; when nonzero the call changes nothing; optional */
+    tm_tensor skip;       /* float32 [1]; when nonzero the call changes nothing (but zeroes the
+                             grads with zero_grads_on_skip); optional */
 } tm_adamw_inputs;
 
 /* Scratch the caller must pass to tm_adamw_step (0 on the CPU). On CUDA it holds a completion
@@ -188,8 +189,8 @@ tm_status tm_adamw_step(const tm_adamw_tensors *t, const tm_adamw_args *args,
 /* Host settings of one DeepNestedOptimizer control step (spec deep_nested_optimizer.md 3-6). */
 typedef struct {
     int32_t num_groups;      /* G >= 1 */
-    int32_t hidden;          /* controller width H >= 1 */
-    int32_t layers;          /* controller hidden layers L >= 1 */
+    int32_t hidden;          /* controller width H, 1..1024 (CUDA: one block, a thread per unit) */
+    int32_t layers;          /* controller hidden layers L, 1..128 (CUDA: weights as launch args) */
     int32_t update_controller; /* nonzero on steps where stats + controller run (t % F_c == 0 or t == 1) */
     int32_t first_step;      /* nonzero when t == 1: the EMA starts at the loss */
     int32_t check_loss;      /* nonzero: a non-finite loss[0] skips the step (device-side guard) */
