@@ -28,14 +28,14 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 
 step build env TITANMAC_WITH_CUDA=1 python3 -m pip install --no-build-isolation --no-deps -q .
-step tests python3 -m pytest -q -rs tests
+step tests python3 -P -m pytest -q -rs tests
 SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 # The sanitizers run the CUDA-parametrized tests only (the CPU ones do not touch the GPU).
 # torch's caching allocator hides out-of-bounds accesses inside its pools from memcheck, so
 # PYTORCH_NO_CUDA_MEMORY_CACHING=1 gives every tensor its own allocation here.
 step memcheck env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$SAN" --tool memcheck --error-exitcode 1 \
-    python3 -m pytest -q -x -k cuda tests
-step racecheck "$SAN" --tool racecheck --error-exitcode 1 python3 -m pytest -q -x -k cuda tests
+    python3 -P -m pytest -q -x -k cuda tests
+step racecheck "$SAN" --tool racecheck --error-exitcode 1 python3 -P -m pytest -q -x -k cuda tests
 step bench python3 benchmarks/bench_step.py --device cuda --out "$OUT/bench_step_cuda.json"
 step train python3 benchmarks/bench_train.py --device cuda --steps 100 \
     --out "$OUT/bench_train_cuda.json"
