@@ -31,6 +31,7 @@ import warnings
 import torch
 
 from . import _C
+from . import _profiling as prof
 from ._reference_dno import (
     DIRECT_MLP_MAX_HIDDEN,
     EMA_LOSS_BETA,
@@ -211,14 +212,16 @@ class DeepNestedOptimizer:
             else:
                 self._loss.fill_(loss)
             update = t % self.controller_update_freq == 0 or t == 1
-            if self._graph is None or not self._graph.step(t, update):
-                self._eager_step(t, update, isinstance(loss, torch.Tensor))
+            with prof.step_range(prof.STEP):
+                if self._graph is None or not self._graph.step(t, update):
+                    self._eager_step(t, update, isinstance(loss, torch.Tensor))
         if self.mode == "simple" and t % self.meta_update_freq == 0:
             # Host logic every meta_update_freq steps; a step the guard skipped gets no meta update,
             # as in the reference, whose skip returns before it.
             if float(self.skipped) == 0.0:
                 clipped = self._coef if self.max_grad_norm > 0 else None
-                self._update_meta_components(float(loss), clipped)
+                with prof.step_range(prof.META):
+                    self._update_meta_components(float(loss), clipped)
         return {"global_step": t, "lr_multipliers": self._lr_multipliers.clone(),
                 "ema_loss": self.ema_loss.clone()}
 
@@ -292,10 +295,13 @@ class DeepNestedOptimizer:
             mu_max=MAX_LR_MULT, stream=exec_kwargs(self.device).get("stream"))
 
     def _eager_step(self, t, update, check_loss):
-        self._run_norms(update)
-        self._control(t, update, check_loss)
-        self.base_optimizer._fused_step(lr=self._lr, grad_scale=self._coef, skip=self.skipped,
-                                        zero_grads_on_skip=True)
+        with prof.step_range(prof.STATS):
+            self._run_norms(update)
+        with prof.step_range(prof.CONTROLLER):
+            self._control(t, update, check_loss)
+        with prof.step_range(prof.UPDATE):
+            self.base_optimizer._fused_step(lr=self._lr, grad_scale=self._coef,
+                                            skip=self.skipped, zero_grads_on_skip=True)
 
     # ------------------------------------------------------------------ spec 9, meta-learning
 
@@ -440,14 +446,15 @@ class _GraphState:
         if self.base_lr is None:
             self.base_lr = torch.empty(1, dtype=torch.float32, device=opt.device)
         self.base_lr.fill_(opt.base_lr)
-        graph = self.graphs.get(update)
-        if graph is None:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                self._captured_step(t, update)
-            self.graphs[update] = graph
-            self.captured = True
-        graph.replay()  # capture records without running: replay at once (B8 fixed)
+        with prof.step_range(prof.GRAPH):
+            graph = self.graphs.get(update)
+            if graph is None:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    self._captured_step(t, update)
+                self.graphs[update] = graph
+                self.captured = True
+            graph.replay()  # capture records without running: replay at once (B8 fixed)
         return True
 
     def _captured_step(self, t, update):

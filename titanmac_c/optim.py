@@ -14,6 +14,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from . import _C
+from . import _profiling as prof
 from ._runtime import (
     Scratch,
     check_supported_dtype,
@@ -215,8 +216,9 @@ class AdamW(Optimizer):
         buf = torch.empty(2, dtype=torch.float32, device=device)
         kwargs = exec_kwargs(device)
         if total_norm is None:
-            _C.norms(grads, None, buf[1:2], buf[0:1], norm_type=norm_type,
-                     scratch=norms_scratch(device, grads), **kwargs)
+            with prof.step_range(prof.STATS):
+                _C.norms(grads, None, buf[1:2], buf[0:1], norm_type=norm_type,
+                         scratch=norms_scratch(device, grads), **kwargs)
             total = buf[0:1]
         else:
             total = total_norm.detach().reshape(1)
@@ -241,6 +243,10 @@ class AdamW(Optimizer):
         learning rate per param group on the parameters' device; grad_scale / skip: None or
         float32 [1] device tensors (see titanmac.h tm_adamw_step). The DeepNestedOptimizer calls
         this with values its control step computed on the device."""
+        with prof.step_range(prof.UPDATE):
+            self._fused_step_impl(lr, grad_scale, skip, zero_grads_on_skip)
+
+    def _fused_step_impl(self, lr, grad_scale, skip, zero_grads_on_skip):
         batches, new_state, groups, lrs = self._collect()
         if len(batches) > 1:
             for batch in batches:
