@@ -39,12 +39,14 @@ step racecheck "$SAN" --tool racecheck --error-exitcode 1 python3 -P -m pytest -
 step bench python3 benchmarks/bench_step.py --device cuda --out "$OUT/bench_step_cuda.json"
 step train python3 benchmarks/bench_train.py --device cuda --steps 100 \
     --out "$OUT/bench_train_cuda.json"
+step profile python3 benchmarks/profile_step.py --device cuda --sizes titanmac,d1024l8 \
+    --out "$OUT/profile_step_cuda.json"
 
 echo
 echo "=== summary ($(date -u +%Y-%m-%d), $(head -n1 "$OUT/gpu.txt"))"
 printf '%-10s %s\n' check result
 status=0
-for name in build tests memcheck racecheck bench train; do
+for name in build tests memcheck racecheck bench train profile; do
     printf '%-10s %s\n' "$name" "${RESULT[$name]:-not run}"
     [ "${RESULT[$name]:-}" = pass ] || status=1
 done

@@ -15,6 +15,7 @@ from collections import namedtuple
 import torch
 
 from . import _C
+from . import _profiling as prof
 from ._runtime import exec_kwargs, norms_scratch
 
 GroupNorms = namedtuple("GroupNorms", "grad param total_grad total_param nonfinite")
@@ -111,17 +112,19 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
         return torch.tensor(0.0)
     by_device = _by_device(grads)
     devices = list(by_device)
-    buffers = [_total_on_device(ts, norm_type, dev) for dev, ts in by_device.items()]
+    with prof.step_range(prof.STATS):
+        buffers = [_total_on_device(ts, norm_type, dev) for dev, ts in by_device.items()]
     total = _combine_totals([b[1] for b in buffers], devices, norm_type)
     if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
         raise RuntimeError(_NONFINITE_MESSAGE.format(norm_type))
-    for (device, device_grads), buf in zip(by_device.items(), buffers):
-        # buf[0] held the (unused) group output; reuse it for the coefficient.
-        device_total = buf[1:2] if len(devices) == 1 else total.reshape(1).to(device)
-        coef = buf[0:1]
-        kwargs = exec_kwargs(device)
-        _C.clip_coef(device_total, max_norm, coef, stream=kwargs.get("stream"))
-        _C.scale_(device_grads, coef, **kwargs)
+    with prof.step_range(prof.CLIP):
+        for (device, device_grads), buf in zip(by_device.items(), buffers):
+            # buf[0] held the (unused) group output; reuse it for the coefficient.
+            device_total = buf[1:2] if len(devices) == 1 else total.reshape(1).to(device)
+            coef = buf[0:1]
+            kwargs = exec_kwargs(device)
+            _C.clip_coef(device_total, max_norm, coef, stream=kwargs.get("stream"))
+            _C.scale_(device_grads, coef, **kwargs)
     dtype = _result_dtype(grads)
     return total if dtype == torch.float32 else total.to(dtype)
 
