@@ -34,6 +34,7 @@
  */
 #include "cuda_ops.h"
 #include "multi_tensor.cuh"
+#include "tm_nvtx.cuh"
 
 /* Distinct param groups per launch (hyperparameters by value, 40 bytes each). */
 #define TM_ADAMW_GROUPS (TM_KERNEL_PARAM_BYTES >= 32000 ? 16 : 4)
@@ -337,6 +338,7 @@ tm_status
 cuda_adamw_step(const tm_adamw_tensors *t, const tm_adamw_args *args, const tm_adamw_inputs *in,
                 const tm_exec *exec)
 {
+    TM_NVTX_RANGE("cuda_adamw_step");
     static const tm_dtype dtypes[] = {TM_FLOAT32, TM_FLOAT16, TM_BFLOAT16};
     cuda_device_guard guard;
     TM_TRY(guard.enter(in->lr.device_id));

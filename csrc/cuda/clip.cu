@@ -15,6 +15,7 @@
  */
 #include "cuda_ops.h"
 #include "multi_tensor.cuh"
+#include "tm_nvtx.cuh"
 
 /* ---------------------------------------------------------------- clip coefficient ---- */
 
@@ -28,6 +29,7 @@ tm_status
 cuda_clip_coef(const tm_tensor *total_norm, double max_norm, const tm_tensor *coef,
                const tm_exec *exec)
 {
+    TM_NVTX_RANGE("cuda_clip_coef");
     cuda_device_guard guard;
     TM_TRY(guard.enter(total_norm->device_id));
     /* torch multiplies a float32 tensor by the Python float max_norm in float32 */
@@ -133,6 +135,7 @@ struct scale_walk {
 tm_status
 cuda_scale(const tm_tensor_list *tensors, const tm_tensor *scale, const tm_exec *exec)
 {
+    TM_NVTX_RANGE("cuda_scale");
     cuda_device_guard guard;
     TM_TRY(guard.enter(scale->device_id));
     scale_walk walk;

@@ -14,6 +14,7 @@
  */
 #include "cuda_ops.h"
 #include "cuda_common.cuh"
+#include "tm_nvtx.cuh"
 
 /* Everything by value: 2 * (TM_DNO_MAX_LAYERS + 1) weight pointers fit the 4 KB parameter space
  * of any driver. */
@@ -103,6 +104,7 @@ dno_control_kernel(const __grid_constant__ dno_params p)
 tm_status
 cuda_dno_control(const tm_dno_control_tensors *t, const tm_dno_control_args *a, const tm_exec *exec)
 {
+    TM_NVTX_RANGE("cuda_dno_control");
     cuda_device_guard guard;
     TM_TRY(guard.enter(t->mu.device_id));
     dno_params p;

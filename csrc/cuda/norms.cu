@@ -32,6 +32,7 @@
  */
 #include "cuda_ops.h"
 #include "multi_tensor.cuh"
+#include "tm_nvtx.cuh"
 
 #define TM_FINISH_BLOCK 256 /* threads of the one pass-2 block */
 #define TM_FINISH_GROUPS 8  /* groups per walk over the records: 2 x 8 x 256 doubles = 32 KB */
@@ -349,6 +350,7 @@ tm_status
 cuda_norms(const tm_tensor_list *grads, const tm_tensor_list *params, const tm_norms_args *args,
            const tm_norms_out *out, const tm_exec *exec)
 {
+    TM_NVTX_RANGE("cuda_norms");
     cuda_device_guard guard;
     TM_TRY(guard.enter(out->total_grad.device_id));
     const bool with_params = params_given(params);
