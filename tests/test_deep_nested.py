@@ -224,8 +224,3 @@ def test_public_surface():
 def test_constructor_rejects_bad_values(kw, match):
     with pytest.raises(ValueError, match=match):
         titanmac_c.DeepNestedOptimizer(make_mlp_10_32_5(seed=0), **kw)
-
-
-def test_cms_mode_is_refused_clearly():
-    with pytest.raises(NotImplementedError, match="use_cms_updates"):
-        titanmac_c.DeepNestedOptimizer(make_mlp_10_32_5(seed=0), use_cms_updates=True)

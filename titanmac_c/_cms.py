@@ -35,6 +35,19 @@ class CMSState:
                                for _ in range(self.k)] for name in CMS_BUFFERS}
         self.step_counts = [torch.zeros(self.k, **f32) for _ in self.params]
 
+    def public_view(self):
+        """optimizer.state in CMS mode: per parameter its buffers by level (views, not copies)."""
+        view = {}
+        for i, p in enumerate(self.params):
+            entry = {name: [self.buffers[name][level][i] for level in range(self.k)]
+                     for name in CMS_BUFFERS}
+            entry["step_count"] = self.step_counts[i]
+            view[p] = entry
+        return view
+
+    def momenta(self):
+        return [m for level in self.buffers["momentum"] for m in level]
+
     def level_lists(self, name, indices):
         """Per-level lists of buffer `name` for the tensors at `indices`."""
         return [[level[i] for i in indices] for level in self.buffers[name]]

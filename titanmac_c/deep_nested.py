@@ -22,7 +22,11 @@ The controller and momentum networks are the reference's torch modules (same par
 same state_dict keys); the C core evaluates the controller from the module's own weights. The
 meta-updates train them with torch autograd, as the reference does.
 
-CMS mode (use_cms_updates=True) is not implemented yet and raises NotImplementedError.
+CMS mode (use_cms_updates=True, spec 7): the same statistics/control calls, then Phase 1 (the
+surrogate training of DirectUpdateMLP every 5 steps, torch autograd with the reference's branches
+as device-side selects) and Phase 2 as one call of the C core (tm_cms_step: accumulation, level
+firings, EMAs, the momentum network per element or per tensor, the clamp, the NaN skips, the
+sqrt(n) combination, weight decay and the update). CMS buffers exist only in CMS mode.
 """
 
 import math
@@ -43,17 +47,25 @@ from ._reference_dno import (
     N_GROUPS,
     SURROGATE_FREQ,
     SURROGATE_LR,
+    META_SAMPLE_MAX,
+    META_SAMPLE_PER_GROUP,
+    EMA_TARGET_MIN,
+    STAGNATION_CONSTANT,
+    PROXY_WARMUP_ENTRIES,
+    _tensor_stats,
     DirectUpdateMLP,
     L2RegressionMomentum,
     NestedController,
     SimplifiedMetaTrainer,
     UnrolledMetaTrainer,
     _default_loss_fn,
+    _fused_clip_grad_norm_,
     _model_n_layers,
     group_moe_params,
     infer_param_depth,
 )
-from ._runtime import exec_kwargs, norms_scratch
+from ._cms import CMSState, select_phase1_tensors, surrogate_loss
+from ._runtime import Scratch, exec_kwargs, norms_scratch
 from .functional import clip_grad_norm_
 from .optim import AdamW
 
@@ -88,10 +100,6 @@ class DeepNestedOptimizer:
             cms_frequencies = [1] if low_memory else [1, 10, 100]
         if not cms_frequencies or not all(isinstance(f, int) and f >= 1 for f in cms_frequencies):
             raise ValueError(f"cms_frequencies = {cms_frequencies!r}: a non-empty list of ints >= 1")
-        if use_cms_updates:
-            raise NotImplementedError(
-                "titanmac_c.DeepNestedOptimizer: use_cms_updates=True (CMS mode) is not "
-                "implemented yet; AdamW mode (the default) is")
         self.model = model
         self.base_lr = _check_float("base_lr", base_lr)
         self.meta_lr = _check_float("meta_lr", meta_lr)
@@ -107,7 +115,7 @@ class DeepNestedOptimizer:
         self.weight_decay = _check_float("weight_decay", weight_decay)
         self.max_grad_norm = _check_float("max_grad_norm", max_grad_norm, -math.inf)
         self.low_memory = bool(low_memory)
-        self.use_cms_updates = False
+        self.use_cms_updates = bool(use_cms_updates)
         self.use_preprocessing = bool(use_preprocessing)
         self.use_compile = bool(use_compile)  # accepted; the controller forward runs in C anyway
         self.controller_update_freq = _check_int("controller_update_freq",
@@ -138,7 +146,13 @@ class DeepNestedOptimizer:
         self.mlp_optimizer = (torch.optim.Adam(self.momentum_mlp.parameters(), lr=SURROGATE_LR)
                               if self.use_preprocessing else None)
         self.mlp_train_freq = SURROGATE_FREQ
-        self.state = {}
+        grouped = [p for g in self.base_optimizer.param_groups for p in g["params"]]
+        self._cms = CMSState(grouped, self.cms_frequencies, self.device) \
+            if self.use_cms_updates else None
+        self.state = self._cms.public_view() if self._cms is not None else {}
+        self._mlp_output_history = {}  # tensor index -> last Phase-1 output (not checkpointed)
+        self._last_surrogate_loss = None
+        self._cms_scratch = Scratch()
         self.global_step = 0
         self.last_meta_loss = None
         self.controller_grad_norm = 0.0
@@ -188,8 +202,14 @@ class DeepNestedOptimizer:
         return [self.base_lr * m for m in self._lr_multipliers.tolist()]
 
     def get_momentum_stats(self):
-        """AdamW mode keeps no momentum buffers: the reference's all-zero CMS buffers give 0."""
-        return {"momentum_total_norm": 0.0, "momentum_avg_norm": 0.0,
+        """Norms of every (tensor, level) momentum (one host sync). AdamW mode keeps no momentum
+        buffers: the reference's all-zero ones give 0."""
+        if self._cms is None:
+            return {"momentum_total_norm": 0.0, "momentum_avg_norm": 0.0,
+                    "global_step": self.global_step}
+        norms = torch._foreach_norm(self._cms.momenta())
+        total = torch.stack(list(norms)).sum().item()
+        return {"momentum_total_norm": total, "momentum_avg_norm": total / len(norms),
                 "global_step": self.global_step}
 
     # ------------------------------------------------------------------ spec 5, the step
@@ -222,8 +242,11 @@ class DeepNestedOptimizer:
                 clipped = self._coef if self.max_grad_norm > 0 else None
                 with prof.step_range(prof.META):
                     self._update_meta_components(float(loss), clipped)
-        return {"global_step": t, "lr_multipliers": self._lr_multipliers.clone(),
-                "ema_loss": self.ema_loss.clone()}
+        result = {"global_step": t, "lr_multipliers": self._lr_multipliers.clone(),
+                  "ema_loss": self.ema_loss.clone()}
+        if self._last_surrogate_loss is not None:
+            result["surrogate_loss"] = self._last_surrogate_loss  # stale after its step, as ref
+        return result
 
     def _take_loss(self, loss_value):
         loss = loss_value if loss_value is not None else self._stored_loss
@@ -299,9 +322,114 @@ class DeepNestedOptimizer:
             self._run_norms(update)
         with prof.step_range(prof.CONTROLLER):
             self._control(t, update, check_loss)
-        with prof.step_range(prof.UPDATE):
-            self.base_optimizer._fused_step(lr=self._lr, grad_scale=self._coef,
-                                            skip=self.skipped, zero_grads_on_skip=True)
+        if self._cms is not None:
+            self._phase1(t)
+            with prof.step_range(prof.CMS):
+                self._cms_phase2(t)
+        else:
+            with prof.step_range(prof.UPDATE):
+                self.base_optimizer._fused_step(lr=self._lr, grad_scale=self._coef,
+                                                skip=self.skipped, zero_grads_on_skip=True)
+
+    # ------------------------------------------------------------------ spec 7, CMS mode
+
+    def _phase1(self, t):
+        """Spec 7.2 Phase 1, every mlp_train_freq steps with DirectUpdateMLP: the surrogate
+        training on the first 20 tensors with a gradient, in torch autograd. Its input is the
+        level-0 accumulator, zero at this point in the reference (B1). The reference's branches
+        on norms are device-side selects, so this adds no host sync."""
+        if not self.use_preprocessing or t % self.mlp_train_freq != 0:
+            return
+        selected = select_phase1_tensors(self.base_optimizer.param_groups)
+        if not selected:
+            return
+        cms = self._cms
+        divisor = max(self.cms_frequencies[0], 1)
+        losses = []
+        with torch.enable_grad():
+            for p in selected:
+                i = cms.index[p]
+                g0 = cms.buffers["accumulated_grad"][0][i].detach().clone() / divisor
+                out = self.momentum_mlp(g0, cms.buffers["momentum"][0][i].detach())
+                losses.append(surrogate_loss(out, g0, self._mlp_output_history.get(i)))
+                self._mlp_output_history[i] = out.detach().clone()
+            total = torch.stack(losses).mean()
+            self.mlp_optimizer.zero_grad()
+            total.backward()
+        # The reference's clip (torch ops, no host sync): the DirectUpdateMLP dynamics amplify a
+        # 1-ulp difference in its weights (spec 7; measured in tests/test_deep_nested_cms.py),
+        # so this training must round exactly as the reference's does.
+        _fused_clip_grad_norm_(self.momentum_mlp.parameters(), META_GRAD_CLIP, inplace=True)
+        self.mlp_optimizer.step()
+        self._last_surrogate_loss = total.detach()
+
+    def _cms_phase2(self, t):
+        """Spec 7.2 Phase 2 for every grouped tensor with a gradient: one tm_cms_step call."""
+        cms = self._cms
+        idx, params, grads, group_of = [], [], [], []
+        for gi, group in enumerate(self.base_optimizer.param_groups):
+            for p in group["params"]:
+                if p.grad is not None:
+                    idx.append(cms.index[p])
+                    params.append(p)
+                    grads.append(p.grad)
+                    group_of.append(gi)
+        if not params:
+            return
+        lists = {name: cms.level_lists(name, idx) for name in
+                 ("momentum", "accumulated_grad", "ema_grad", "v_sq")}
+        net = "direct" if self.use_preprocessing else "legacy"
+        hidden = (min(self.momentum_hidden_dim, DIRECT_MLP_MAX_HIDDEN) if self.use_preprocessing
+                  else self.momentum_hidden_dim)
+        kwargs = exec_kwargs(self.device)
+        scratch = None
+        if self.device.type == "cuda":
+            nbytes = _C.cms_scratch_bytes(params, levels=cms.k, net=net)
+            scratch = self._cms_scratch.get(self.device, nbytes)
+        _C.cms_step(
+            params, grads, lists["momentum"], lists["accumulated_grad"], lists["ema_grad"],
+            lists["v_sq"], [cms.step_counts[i] for i in idx], self._lr, group_of,
+            [w.detach() for w in self.momentum_mlp.parameters()],
+            fires=cms.fires(t), divisors=[float(max(f, 1)) for f in self.cms_frequencies],
+            ema_decays=cms.ema_decays, net=net, hidden=hidden,
+            layers=self.momentum_num_layers, weight_decay=self.weight_decay, t=float(t),
+            base_lr=self.base_lr, loss=self._loss, grad_scale=self._coef, skip=self.skipped,
+            scratch=scratch, **kwargs)
+
+    def _mlp_proxy_loss(self, loss_value, grad_scale):
+        """Spec 9.3 in CMS mode (in AdamW mode every target is zero, so it is 0). No gradient
+        reaches the MLP (B2); the value only enters last_meta_loss."""
+        zero = torch.zeros((), device=self.device, requires_grad=True)
+        if self._cms is None or len(self.meta_trainer.loss_history) < PROXY_WARMUP_ENTRIES:
+            return zero
+        sampled = []
+        for group in self.base_optimizer.param_groups:
+            sampled.extend(p for p in group["params"][:META_SAMPLE_PER_GROUP]
+                           if p.grad is not None)
+        sampled = sampled[:META_SAMPLE_MAX]
+        context = torch.tensor([self.global_step / 1000.0, self.base_lr,
+                                math.log(max(loss_value, 1e-8) + 1.0)],
+                               dtype=torch.float32, device=self.device)
+        losses = []
+        for p in sampled:
+            i = self._cms.index[p]
+            target = self._cms.buffers["ema_grad"][0][i]
+            if target.abs().max() < EMA_TARGET_MIN:  # host sync, meta steps only
+                continue
+            m0 = self._cms.buffers["momentum"][0][i]
+            grad = p.grad if grad_scale is None else p.grad * grad_scale
+            if self.use_preprocessing:
+                pred = self.momentum_mlp(grad, m0)
+            else:
+                a, b, _ = self.momentum_mlp(grad, m0, context)
+                pred = a * m0 + b * grad
+            losses.append(((_tensor_stats(pred) - _tensor_stats(target)) ** 2).sum())
+        if not losses:
+            return zero
+        mlp_loss = torch.stack(losses).mean()
+        if self.meta_trainer.recent_improvement() < IMPROVEMENT_THRESHOLD:
+            mlp_loss = mlp_loss + STAGNATION_CONSTANT
+        return mlp_loss
 
     # ------------------------------------------------------------------ spec 9, meta-learning
 
@@ -321,18 +449,22 @@ class DeepNestedOptimizer:
     def _update_meta_components(self, loss_value, grad_scale=None):
         """Spec 9.2. The mean momentum norm is 0 in AdamW mode and the MLP proxy loss is 0 (every
         sampled tensor's level-0 EMA is zero in the reference), so only the controller learns."""
-        self.meta_trainer.record_step(float(loss_value), self._lr_multipliers.clone(), 0.0)
+        momentum_norm = 0.0
+        if self._cms is not None:
+            momentum_norm = torch.stack(list(torch._foreach_norm(self._cms.momenta()))).mean()
+            momentum_norm = momentum_norm.item()
+        self.meta_trainer.record_step(float(loss_value), self._lr_multipliers.clone(),
+                                      momentum_norm)
         stats = self._group_stats(grad_scale)
         with torch.enable_grad():
             self.meta_optimizer.zero_grad()
             proposed = self.controller(stats)
             controller_loss = self.meta_trainer.compute_proxy_loss(proposed)
-            mlp_loss = torch.zeros((), device=self.device, requires_grad=True)
+            mlp_loss = self._mlp_proxy_loss(float(loss_value), grad_scale)
             total = controller_loss + mlp_loss
             total.backward()
         meta_params = list(self.momentum_mlp.parameters()) + list(self.controller.parameters())
-        with torch.no_grad():
-            grad_norm = clip_grad_norm_(meta_params, META_GRAD_CLIP)
+        grad_norm = _fused_clip_grad_norm_(meta_params, META_GRAD_CLIP, inplace=True)
         self.meta_optimizer.step()
         self.last_meta_loss = total.detach()
         self.controller_grad_norm = grad_norm
@@ -366,7 +498,7 @@ class DeepNestedOptimizer:
             "global_step": self.global_step,
             "lr_multipliers": self._lr_multipliers.clone(),
             "ema_loss": self.ema_loss.clone(),
-            "cms_state": {},
+            "cms_state": self._cms.state_dict() if self._cms is not None else {},
         }
         if self.mlp_optimizer is not None:
             sd["mlp_optimizer"] = self.mlp_optimizer.state_dict()
@@ -391,6 +523,8 @@ class DeepNestedOptimizer:
             ema = state_dict.get("ema_loss")
             self.ema_loss.copy_(torch.zeros(N_GROUPS) if ema is None else
                                 torch.as_tensor(ema, dtype=torch.float32))
+        if self._cms is not None:
+            self._cms.load_state_dict(state_dict.get("cms_state", {}))
         if self._graph is not None:
             self._graph.reset()
 
@@ -440,19 +574,25 @@ class _GraphState:
         opt = self.opt
         if t <= opt.cuda_graph_warmup_steps or t == 1:
             return False
+        if opt._cms is not None and not opt.use_preprocessing:
+            return False  # the legacy network's context holds t itself: eager
         params = [p for g in opt.base_optimizer.param_groups for p in g["params"]]
         if not self._bind_grads(params):
             return False
         if self.base_lr is None:
             self.base_lr = torch.empty(1, dtype=torch.float32, device=opt.device)
         self.base_lr.fill_(opt.base_lr)
+        # One graph per kind of step: controller or not, and (CMS) which levels fire.
+        key = (update,) if opt._cms is None else (update, tuple(opt._cms.fires(t)))
+        if opt._cms is not None:
+            opt._phase1(t)  # autograd training of the MLP: outside the graph, before it
         with prof.step_range(prof.GRAPH):
-            graph = self.graphs.get(update)
+            graph = self.graphs.get(key)
             if graph is None:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
                     self._captured_step(t, update)
-                self.graphs[update] = graph
+                self.graphs[key] = graph
                 self.captured = True
             graph.replay()  # capture records without running: replay at once (B8 fixed)
         return True
@@ -462,5 +602,8 @@ class _GraphState:
         opt._run_norms(update)
         opt._control(t, update, check_loss=True, base_lr=1.0)
         opt._lr.mul_(self.base_lr)  # base_lr schedules reach the graph through a tensor
-        opt.base_optimizer._fused_step(lr=opt._lr, grad_scale=opt._coef, skip=opt.skipped,
-                                       zero_grads_on_skip=True)
+        if opt._cms is not None:
+            opt._cms_phase2(t)
+        else:
+            opt.base_optimizer._fused_step(lr=opt._lr, grad_scale=opt._coef, skip=opt.skipped,
+                                           zero_grads_on_skip=True)

@@ -114,6 +114,28 @@ tm_adamw_step(const tm_adamw_tensors *t, const tm_adamw_args *args, const tm_ada
     return cpu_adamw_step(t, args, in, exec);
 }
 
+size_t
+tm_cms_scratch_bytes(const tm_tensor_list *params, int32_t levels, tm_cms_net net)
+{
+    if (list_on_cuda(params)) {
+        return TM_CUDA_BYTES(cuda_cms_scratch_bytes(params, levels, net));
+    }
+    return cpu_cms_scratch_bytes(params, levels, net);
+}
+
+tm_status
+tm_cms_step(const tm_cms_tensors *t, const tm_cms_args *args, const tm_cms_inputs *in,
+            const tm_exec *exec)
+{
+    tm_device_ref ref;
+    tm_clear_error();
+    TM_TRY(tm_validate_cms(t, args, in, exec, &ref));
+    if (on_cuda(&ref)) {
+        return TM_ON_CUDA(cuda_cms_step(t, args, in, exec), &ref);
+    }
+    return cpu_cms_step(t, args, in, exec);
+}
+
 tm_status
 tm_dno_control(const tm_dno_control_tensors *t, const tm_dno_control_args *args,
                const tm_exec *exec)

@@ -92,7 +92,8 @@ check_match(const tm_role *roles, int n, int dtype)
     const tm_tensor_list *lead = &roles[0].list;
     for (int k = 1; k < n; k++) {
         const tm_tensor_list *l = &roles[k].list;
-        for (int32_t i = 0; (roles[k].flags & TM_ROLE_MATCH) && i < l->count; i++) {
+        unsigned want = dtype ? TM_ROLE_MATCH : (TM_ROLE_MATCH | TM_ROLE_MATCH_NUMEL);
+        for (int32_t i = 0; (roles[k].flags & want) && i < l->count; i++) {
             const tm_tensor *a = &l->tensors[i];
             const tm_tensor *b = &lead->tensors[i];
             TM_CHECK(dtype || a->numel == b->numel, TM_ERR_VALUE,

@@ -13,7 +13,8 @@
 enum {
     TM_ROLE_LONE = 1u,    /* one tensor, named without an index; skipped while not given */
     TM_ROLE_WRITTEN = 2u, /* must be writable, must not share memory with another role */
-    TM_ROLE_MATCH = 4u    /* numel and dtype equal to the lead list's at the same index */
+    TM_ROLE_MATCH = 4u,   /* numel and dtype equal to the lead list's at the same index */
+    TM_ROLE_MATCH_NUMEL = 8u /* numel only (float32 state of params of any dtype) */
 };
 
 typedef struct {

@@ -233,11 +233,14 @@ CPU_DEFINE_DTYPE(f32, TM_FLOAT32)
 CPU_DEFINE_DTYPE(f16, TM_FLOAT16)
 CPU_DEFINE_DTYPE(bf16, TM_BFLOAT16)
 
+#include "cpu_cms_loops_impl.h"
+
 /* Indexed by tm_dtype: TM_FLOAT32, TM_FLOAT16, TM_BFLOAT16. */
 _Static_assert(TM_FLOAT32 == 0 && TM_FLOAT16 == 1 && TM_BFLOAT16 == 2, "table order is tm_dtype");
 
 const cpu_kernels TM_CAT(cpu_kernels_, TM_ISA_SUFFIX) = {
     .name = TM_STR(TM_ISA_SUFFIX),
+    .cms = &TM_CAT(cpu_cms_kernels_, TM_ISA_SUFFIX),
     .adamw = {adamw_f32, adamw_f16, adamw_bf16},
     .scale = {scale_f32, scale_f16, scale_bf16},
     .reduce = {reduce_f32, reduce_f16, reduce_bf16},

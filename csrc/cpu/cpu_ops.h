@@ -15,6 +15,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "../common/tm_cms_finish.h"
 #include "../common/tm_math.h"
 #include "titanmac.h"
 
@@ -50,9 +51,38 @@ typedef double (*cpu_reduce_fn)(const void *x, int64_t n, cpu_norm_kind kind, do
 /* 1 when some element of the block is NaN or +-inf. */
 typedef int (*cpu_nonfinite_fn)(const void *x, int64_t n);
 
+/* One block of one tensor for the CMS loops (cpu_cms_loops_impl.h): pointers at the block's
+ * first element, one per level < c->levels. parts: this block's partial sums, [levels][P]. */
+typedef struct {
+    void *p;
+    const void *g;
+    float *m[TM_CMS_MAX_LEVELS], *acc[TM_CMS_MAX_LEVELS];
+    float *ema[TM_CMS_MAX_LEVELS], *vsq[TM_CMS_MAX_LEVELS];
+    int64_t n;
+    tm_dtype dtype;
+    int32_t legacy;
+    float grad_scale;
+    float lr;                          /* apply: lr[group] */
+    const tm_cms_consts *c;
+    const tm_cms_direct_net *net;      /* DIRECT */
+    const tm_cms_level_out *lv;        /* [levels] of this tensor: LEGACY a, b (update); apply */
+    const tm_cms_tensor_out *tv;       /* apply */
+    float shift_m[TM_CMS_MAX_LEVELS];  /* LEGACY stats: m_l[0] and g^_l[0] of the tensor */
+    float shift_g[TM_CMS_MAX_LEVELS];
+    double *parts;
+} cpu_cms_block;
+
+/* The CMS passes over one block (cpu_cms.c has the pass structure). */
+typedef struct {
+    void (*stats)(const cpu_cms_block *b);  /* LEGACY pass S: shifted sums of m and g^ */
+    void (*update)(const cpu_cms_block *b); /* pass A: accumulate, g^, e, v, m', sums */
+    void (*apply)(const cpu_cms_block *b);  /* pass B: clamp, contributions, p */
+} cpu_cms_kernels;
+
 /* The loop bodies of one instruction set, indexed by tm_dtype. */
 typedef struct {
     const char *name;
+    const cpu_cms_kernels *cms;
     cpu_adamw_fn adamw[3];
     cpu_scale_fn scale[3];
     cpu_reduce_fn reduce[3];
@@ -76,7 +106,7 @@ cpu_max_nan(double a, double b)
     return (b > a || b != b) ? b : a;
 }
 
-/* cpu_ops.c / cpu_norms.c / cpu_dno.c: the drivers. */
+/* cpu_ops.c / cpu_norms.c / cpu_dno.c / cpu_cms.c: the drivers. */
 size_t cpu_norms_scratch_bytes(const tm_tensor_list *grads, const tm_tensor_list *params);
 tm_status cpu_norms(const tm_tensor_list *grads, const tm_tensor_list *params,
                     const tm_norms_args *args, const tm_norms_out *out, const tm_exec *exec);
@@ -85,6 +115,9 @@ tm_status cpu_clip_coef(const tm_tensor *total_norm, double max_norm, const tm_t
 tm_status cpu_scale(const tm_tensor_list *tensors, const tm_tensor *scale, const tm_exec *exec);
 tm_status cpu_adamw_step(const tm_adamw_tensors *t, const tm_adamw_args *args,
                          const tm_adamw_inputs *in, const tm_exec *exec);
+size_t cpu_cms_scratch_bytes(const tm_tensor_list *params, int32_t levels, tm_cms_net net);
+tm_status cpu_cms_step(const tm_cms_tensors *t, const tm_cms_args *args, const tm_cms_inputs *in,
+                       const tm_exec *exec);
 tm_status cpu_dno_control(const tm_dno_control_tensors *t, const tm_dno_control_args *args,
                           const tm_exec *exec);
 

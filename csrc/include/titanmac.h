@@ -8,6 +8,8 @@
  *   tm_adamw_step  AdamW (decoupled weight decay, bias correction, amsgrad, maximize) with a
  *                  per-group learning rate, an optional gradient scale multiplied in as each
  *                  gradient is loaded, and an optional skip flag
+ *   tm_dno_control the DeepNestedOptimizer's control step (loss EMA, controller, lr, clip, skip)
+ *   tm_cms_step    the DeepNestedOptimizer's CMS update (multi-level momentum, learned MLP)
  *
  * Every scalar a step may need to change without the host looking (learning rates, step counts,
  * gradient scale, skip flag, norms) lives in tensor memory on the tensors' device, so a CUDA step
@@ -225,6 +227,78 @@ typedef struct {
  * One thread of work: it runs as a single tiny kernel on CUDA, so no value visits the host. */
 tm_status tm_dno_control(const tm_dno_control_tensors *t, const tm_dno_control_args *args,
                          const tm_exec *exec);
+
+/* ---------------------------------------------------------------- CMS update ---- */
+
+#define TM_CMS_MAX_LEVELS 4
+
+/* The momentum network of the CMS path (spec deep_nested_optimizer.md 7.3). */
+typedef enum {
+    TM_CMS_DIRECT = 0, /* DirectUpdateMLP: per element, contribution = the MLP's output */
+    TM_CMS_LEGACY = 1  /* L2RegressionMomentum: per tensor (a, b, d), contribution m (1 - d) */
+} tm_cms_net;
+
+/* Host settings of one CMS Phase-2 call; arrays are indexed by level l < levels. */
+typedef struct {
+    int32_t levels;                       /* K in [1, TM_CMS_MAX_LEVELS] */
+    int32_t fires[TM_CMS_MAX_LEVELS];     /* nonzero: level l fires now (t % f_l == 0) */
+    double divisors[TM_CMS_MAX_LEVELS];   /* max(cms_frequencies[l], 1): g^ = A_l / it (B7) */
+    double ema_decays[TM_CMS_MAX_LEVELS]; /* d_l = 0.99 ** (1 / f_l), in [0, 1] */
+    double beta2;                         /* v_sq decay, 0.999 */
+    double momentum_coef;                 /* DIRECT: m' = coef m + (1 - coef) delta, 0.9 */
+    double clamp_ratio;                   /* ||m'|| <= ratio * max(||g^||, 1e-8), 100 */
+    double weight_decay;                  /* >= 0; u += wd * p when > 0 */
+    double t;                             /* the step number (LEGACY context t / 1000) */
+    double base_lr;                       /* LEGACY context */
+    tm_cms_net net;
+    int32_t hidden;                       /* H: DIRECT <= 20, LEGACY <= 256 */
+    int32_t layers;                       /* L in [1, 8]: Linear+SiLU pairs before the output */
+    int32_t num_groups;                   /* G >= 1 */
+    const int32_t *group_of;              /* host [params.count] in [0, G); NULL = all 0 */
+} tm_cms_args;
+
+/* One entry per tensor. State lists are per level: momentum[l] is the list of m_l of every
+ * tensor, named "momentum[l]" in messages ("momentum[1][3]" = level 1 of tensor 3). Every state
+ * tensor is float32 with its param's numel; grads have the params' dtype (fp32, bf16, fp16).
+ * step_counts[i] is float32 with `levels` elements: element l counts level l's firings. weights
+ * are the network's parameters in module order (list(net.parameters())): DIRECT W_in [H,4],
+ * b_in, (W [H,H], b) x (L-1), W_out [1,H], b_out [1]; LEGACY residual_weight [1] first (never
+ * read: forward does not use it), then W_in [H,9], b_in, (W [H,H], b) x (L-1), W_out [3,H],
+ * b_out [3]. Lists of levels >= levels are ignored. */
+typedef struct {
+    tm_tensor_list params;
+    tm_tensor_list grads;
+    tm_tensor_list momentum[TM_CMS_MAX_LEVELS];
+    tm_tensor_list accumulated[TM_CMS_MAX_LEVELS];
+    tm_tensor_list ema[TM_CMS_MAX_LEVELS];
+    tm_tensor_list v_sq[TM_CMS_MAX_LEVELS];
+    tm_tensor_list step_counts;
+    tm_tensor_list weights;
+} tm_cms_tensors;
+
+typedef struct {
+    tm_tensor lr;         /* float32 [G]: base_lr * mu_g */
+    tm_tensor grad_scale; /* float32 [1], the clip coefficient (the reference accumulates the
+                             clipped gradient, rounded to the grad dtype); optional (= 1) */
+    tm_tensor skip;       /* float32 [1]; nonzero: the call changes nothing; optional */
+    tm_tensor loss;       /* float32 [1]: the LEGACY context's loss; optional for DIRECT */
+} tm_cms_inputs;
+
+/* Scratch of tm_cms_step: partial sums per (CPU block of 4,096 elements or CUDA slice of 8,192,
+ * level) and per-(tensor, level) results; depends on the params' numels, the backend, levels
+ * and net only, so a caller may keep one buffer for every step. */
+size_t tm_cms_scratch_bytes(const tm_tensor_list *params, int32_t levels, tm_cms_net net);
+
+/* Phase 2 of the CMS step (spec 7.2) for every tensor, as the reference's _cms_update_param:
+ * every level accumulates the scaled gradient; each firing level l takes g^ = (A_l + g) / div_l,
+ * resets A_l, counts the firing, updates e_l and v_sq_l, runs its momentum network, clamps
+ * m_l; the finite contributions are summed, divided by sqrt(n) (n > 1), weight decay added, and
+ * p -= lr[group] * u (skipped when n == 0). Deterministic: reductions use fixed partials in
+ * double, combined in index order. One known gap: a tensor whose finite contributions have L2
+ * norms summing to >= FLT_MAX / 2 is skipped (the reference skips only if u actually overflows).
+ * No host synchronization on CUDA. */
+tm_status tm_cms_step(const tm_cms_tensors *t, const tm_cms_args *args, const tm_cms_inputs *in,
+                      const tm_exec *exec);
 
 /* ---------------------------------------------------------------- backends ---- */
 

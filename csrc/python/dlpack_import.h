@@ -20,7 +20,7 @@
 #define PY_BATCH_ARENA 16384 /* bytes: 384 tm_tensor (six lists of 64) plus group arrays */
 #define PY_BATCH_INLINE_REFS 400
 #define PY_BATCH_INLINE_OWNED 16
-#define PY_BATCH_MAX_BLOCKS 16
+#define PY_BATCH_MAX_BLOCKS 32 /* cms_step imports up to 20 lists */
 
 /* How a tensor came in (reported by _import for the DLPack tests). */
 typedef enum { PY_PATH_EXCHANGE = 0, PY_PATH_PROTOCOL = 1, PY_PATH_CAPSULE = 2 } py_path;

@@ -57,6 +57,14 @@ static PyMethodDef module_methods[] = {
      "skip, *, hidden, layers, update_controller, first_step, check_loss, base_lr, "
      "max_grad_norm, ema_beta=0.1, mu_min=0.1, mu_max=2.0, stream=None)\n--\n\n"
      "One DeepNestedOptimizer control step on the tensors' device (tm_dno_control)."},
+    {"cms_step", KW(py_cms_step),
+     "cms_step(params, grads, momentum, accumulated, ema, v_sq, step_counts, lr, group_of, "
+     "weights, *, fires, divisors, ema_decays, net, hidden, layers, weight_decay, t, base_lr, "
+     "loss, grad_scale=None, skip=None, beta2=0.999, momentum_coef=0.9, clamp_ratio=100.0, "
+     "num_threads=1, stream=None, scratch=None)\n--\n\n"
+     "Phase 2 of the DeepNestedOptimizer's CMS step over lists of tensors (tm_cms_step)."},
+    {"cms_scratch_bytes", KW(py_cms_scratch_bytes),
+     "cms_scratch_bytes(params, *, levels, net)\n--\n\nBytes of scratch cms_step needs."},
     {"cpu_isa", py_cpu_isa, METH_NOARGS,
      "cpu_isa()\n--\n\nThe CPU instruction set in use: generic, avx2 or avx512."},
     {"_select_cpu_isa", KW(py_select_cpu_isa),

@@ -56,13 +56,15 @@ py_get_state(PyObject *module)
     return (py_state *)PyModule_GetState(module);
 }
 
-/* py_ops.c: one wrapper per C API function (METH_VARARGS | METH_KEYWORDS). */
+/* py_ops.c, py_cms.c: one wrapper per C API function (METH_VARARGS | METH_KEYWORDS). */
 PyObject *py_adamw_step(PyObject *module, PyObject *args, PyObject *kwargs);
 PyObject *py_adamw_scratch_bytes(PyObject *module, PyObject *args, PyObject *kwargs);
 PyObject *py_norms(PyObject *module, PyObject *args, PyObject *kwargs);
 PyObject *py_norms_scratch_bytes(PyObject *module, PyObject *args, PyObject *kwargs);
 PyObject *py_clip_coef(PyObject *module, PyObject *args, PyObject *kwargs);
 PyObject *py_scale(PyObject *module, PyObject *args, PyObject *kwargs);
+PyObject *py_cms_step(PyObject *module, PyObject *args, PyObject *kwargs);
+PyObject *py_cms_scratch_bytes(PyObject *module, PyObject *args, PyObject *kwargs);
 PyObject *py_dno_control(PyObject *module, PyObject *args, PyObject *kwargs);
 PyObject *py_select_cpu_isa(PyObject *module, PyObject *args, PyObject *kwargs);
 PyObject *py_dlpack_intake(PyObject *module, PyObject *args, PyObject *kwargs);

@@ -1,0 +1,225 @@
+/*
+ * tm_validate_cms.c -- the argument checks of tm_cms_step (see tm_validate.h): the sizes (K, the
+ * network's H and L, the weight count) first, list counts, then the shared tensor checks of
+ * tm_roles.c over a role table of params, grads, the 4K per-level state lists, step_counts,
+ * weights and the lone inputs; then what only this op knows: float32 state, step_counts of K
+ * elements, every weight's numel against (net, H, L) in torch.nn.Linear's [out, in] layout, the
+ * host hyperparameters, lr/grad_scale/skip/loss shapes, group_of, scratch.
+ *
+ * Per-level lists are named "momentum[l]", "accumulated[l]", "ema[l]", "v_sq[l]" (by the binding;
+ * these names are the defaults), so a message reads "momentum[1][3]: numel 10 does not match
+ * params[3] numel 12" for level 1 of tensor 3. As for tm_adamw_step, aliasing is checked between
+ * the lists at one index (tm_roles.c), not between a lone input (lr, loss, ...) or a weight and
+ * the written state.
+ */
+#include <math.h>
+
+#include "../common/tm_cms_math.h"
+#include "../common/tm_status.h"
+#include "tm_roles.h"
+#include "tm_validate.h"
+
+enum { CMS_PARAMS, CMS_GRADS, CMS_STATE }; /* then 4 K state lists, then the rest below */
+enum { CMS_STEPS, CMS_WEIGHTS, CMS_LR, CMS_GRAD_SCALE, CMS_SKIP, CMS_LOSS, CMS_TAIL };
+#define CMS_MAX_ROLES (CMS_STATE + 4 * TM_CMS_MAX_LEVELS + CMS_TAIL)
+
+static const char *const cms_state_names[4][TM_CMS_MAX_LEVELS] = {
+    {"momentum[0]", "momentum[1]", "momentum[2]", "momentum[3]"},
+    {"accumulated[0]", "accumulated[1]", "accumulated[2]", "accumulated[3]"},
+    {"ema[0]", "ema[1]", "ema[2]", "ema[3]"},
+    {"v_sq[0]", "v_sq[1]", "v_sq[2]", "v_sq[3]"},
+};
+
+/* The state list of role r (0 momentum, 1 accumulated, 2 ema, 3 v_sq) at level l. */
+static const tm_tensor_list *
+state_list(const tm_cms_tensors *t, int r, int l)
+{
+    const tm_tensor_list *lists[4] = {t->momentum, t->accumulated, t->ema, t->v_sq};
+    return &lists[r][l];
+}
+
+static int32_t
+expected_weights(const tm_cms_args *a)
+{
+    return 2 * (a->layers + 1) + (a->net == TM_CMS_LEGACY ? 1 : 0);
+}
+
+/* K was checked before the role table was built; then the network's sizes. */
+static tm_status
+check_cms_sizes(const tm_cms_args *a, const tm_tensor_list *weights)
+{
+    TM_CHECK(a->net == TM_CMS_DIRECT || a->net == TM_CMS_LEGACY, TM_ERR_VALUE,
+             "net = %d: must be TM_CMS_DIRECT or TM_CMS_LEGACY", (int)a->net);
+    const int legacy = a->net == TM_CMS_LEGACY;
+    const int max_h = legacy ? TM_CMS_LEGACY_MAX_HIDDEN : TM_CMS_DIRECT_MAX_HIDDEN;
+    TM_CHECK(a->hidden >= 1 && a->hidden <= max_h, TM_ERR_VALUE,
+             "hidden = %d: must be in [1, %d] for the %s network", (int)a->hidden, max_h,
+             legacy ? "legacy" : "direct");
+    TM_CHECK(a->layers >= 1 && a->layers <= TM_CMS_MAX_LAYERS, TM_ERR_VALUE,
+             "layers = %d: must be in [1, %d]", (int)a->layers, TM_CMS_MAX_LAYERS);
+    TM_CHECK(weights->count == expected_weights(a), TM_ERR_VALUE,
+             "weights: %d tensors, the %s network (layers = %d) has %d", (int)weights->count,
+             legacy ? "legacy" : "direct", (int)a->layers, (int)expected_weights(a));
+    return TM_OK;
+}
+
+/* Role table: params, grads, the state lists of levels < K, then the tail roles. */
+static int
+build_roles(const tm_cms_tensors *t, const tm_cms_inputs *in, int32_t k, tm_role *roles)
+{
+    const unsigned state = TM_ROLE_WRITTEN | TM_ROLE_MATCH_NUMEL;
+    int n = 0;
+    roles[n++] = tm_list_role(&t->params, "params", TM_ROLE_WRITTEN);
+    roles[n++] = tm_list_role(&t->grads, "grads", TM_ROLE_MATCH);
+    for (int r = 0; r < 4; r++) {
+        for (int32_t l = 0; l < k; l++) {
+            roles[n++] = tm_list_role(state_list(t, r, l), cms_state_names[r][l], state);
+        }
+    }
+    roles[n++] = tm_list_role(&t->step_counts, "step_counts", TM_ROLE_WRITTEN);
+    roles[n++] = tm_list_role(&t->weights, "weights", 0);
+    roles[n++] = tm_lone_role(&in->lr, "lr", 0);
+    roles[n++] = tm_lone_role(&in->grad_scale, "grad_scale", 0);
+    roles[n++] = tm_lone_role(&in->skip, "skip", 0);
+    roles[n++] = tm_lone_role(&in->loss, "loss", 0);
+    return n;
+}
+
+/* Counts of every list against params (weights were checked with the sizes). */
+static tm_status
+check_cms_counts(const tm_role *roles, int n)
+{
+    const tm_tensor_list *params = &roles[CMS_PARAMS].list;
+    for (int k = CMS_GRADS; k <= n - CMS_TAIL + CMS_STEPS; k++) {
+        TM_TRY(tm_check_count(&roles[k].list, params->count, params->name));
+    }
+    return TM_OK;
+}
+
+static tm_status
+check_cms_state(const tm_role *roles, int32_t k)
+{
+    for (int r = CMS_STATE; r < CMS_STATE + 4 * k; r++) {
+        const tm_tensor_list *l = &roles[r].list;
+        for (int32_t i = 0; i < l->count; i++) {
+            TM_CHECK(l->tensors[i].dtype == TM_FLOAT32, TM_ERR_VALUE,
+                     "%s[%d]: dtype %s, CMS state must be float32", l->name, (int)i,
+                     tm_dtype_name(l->tensors[i].dtype));
+        }
+    }
+    const tm_tensor_list *steps = &roles[CMS_STATE + 4 * k + CMS_STEPS].list;
+    for (int32_t i = 0; i < steps->count; i++) {
+        TM_TRY(tm_check_f32_numel(&steps->tensors[i], steps->name, i, k));
+    }
+    return TM_OK;
+}
+
+/* Numel of weight i of the network (module order, see titanmac.h); *what names the shape. */
+static int64_t
+weight_numel(const tm_cms_args *a, int32_t i, const char **what)
+{
+    const int64_t h = a->hidden;
+    const int legacy = a->net == TM_CMS_LEGACY;
+    const int64_t in = legacy ? TM_CMS_LEGACY_IN : TM_CMS_DIRECT_IN;
+    const int64_t out = legacy ? TM_CMS_LEGACY_OUT : 1;
+    if (legacy && i == 0) {
+        *what = "residual_weight";
+        return 1;
+    }
+    const int32_t j = i - legacy;             /* index among the Linear tensors */
+    const int last = j >= 2 * a->layers;      /* the output layer */
+    if (j % 2 == 1) {
+        *what = last ? (legacy ? "3" : "1") : "H";
+        return last ? out : h;
+    }
+    *what = j == 0 ? (legacy ? "H*9" : "H*4") : (last ? (legacy ? "3*H" : "1*H") : "H*H");
+    return j == 0 ? h * in : (last ? out * h : h * h);
+}
+
+static tm_status
+check_cms_weights(const tm_tensor_list *w, const tm_cms_args *a)
+{
+    for (int32_t i = 0; i < w->count; i++) {
+        const tm_tensor *t = &w->tensors[i];
+        const char *what = "";
+        const int64_t want = weight_numel(a, i, &what);
+        TM_CHECK(t->dtype == TM_FLOAT32, TM_ERR_VALUE, "%s[%d]: expected float32, got %s",
+                 w->name, (int)i, tm_dtype_name(t->dtype));
+        TM_CHECK(t->numel == want, TM_ERR_VALUE,
+                 "%s[%d]: numel %lld does not match the %s network's %s = %lld", w->name, (int)i,
+                 (long long)t->numel, a->net == TM_CMS_LEGACY ? "legacy" : "direct", what,
+                 (long long)want);
+    }
+    return TM_OK;
+}
+
+/* NaN fails every comparison, so each check also rejects it. */
+static tm_status
+check_cms_hparams(const tm_cms_args *a)
+{
+    for (int32_t l = 0; l < a->levels; l++) {
+        TM_CHECK(isfinite(a->divisors[l]) && a->divisors[l] >= 1.0, TM_ERR_VALUE,
+                 "divisors[%d] = %g: must be finite and >= 1", (int)l, a->divisors[l]);
+        TM_CHECK(a->ema_decays[l] >= 0.0 && a->ema_decays[l] <= 1.0, TM_ERR_VALUE,
+                 "ema_decays[%d] = %g: must be in [0, 1]", (int)l, a->ema_decays[l]);
+    }
+    TM_CHECK(a->beta2 >= 0.0 && a->beta2 <= 1.0, TM_ERR_VALUE, "beta2 = %g: must be in [0, 1]",
+             a->beta2);
+    TM_CHECK(a->momentum_coef >= 0.0 && a->momentum_coef <= 1.0, TM_ERR_VALUE,
+             "momentum_coef = %g: must be in [0, 1]", a->momentum_coef);
+    TM_CHECK(isfinite(a->clamp_ratio) && a->clamp_ratio > 0.0, TM_ERR_VALUE,
+             "clamp_ratio = %g: must be finite and > 0", a->clamp_ratio);
+    TM_CHECK(isfinite(a->weight_decay) && a->weight_decay >= 0.0, TM_ERR_VALUE,
+             "weight_decay = %g: must be finite and >= 0", a->weight_decay);
+    TM_CHECK(isfinite(a->t) && a->t >= 0.0, TM_ERR_VALUE, "t = %g: must be finite and >= 0",
+             a->t);
+    TM_CHECK(isfinite(a->base_lr), TM_ERR_VALUE, "base_lr = %g: must be finite", a->base_lr);
+    TM_CHECK(a->num_groups >= 1, TM_ERR_VALUE, "num_groups = %d: must be >= 1",
+             (int)a->num_groups);
+    return TM_OK;
+}
+
+static tm_status
+check_cms_inputs(const tm_cms_inputs *in, const tm_cms_args *a, int32_t count)
+{
+    for (int32_t i = 0; a->group_of != NULL && i < count; i++) {
+        TM_CHECK(a->group_of[i] >= 0 && a->group_of[i] < a->num_groups, TM_ERR_VALUE,
+                 "group_of[%d] = %d is not in [0, %d)", (int)i, (int)a->group_of[i],
+                 (int)a->num_groups);
+    }
+    TM_TRY(tm_check_f32_numel(&in->lr, "lr", TM_NO_INDEX, a->num_groups));
+    if (tm_tensor_given(&in->grad_scale)) {
+        TM_TRY(tm_check_f32_numel(&in->grad_scale, "grad_scale", TM_NO_INDEX, 1));
+    }
+    if (tm_tensor_given(&in->skip)) {
+        TM_TRY(tm_check_f32_numel(&in->skip, "skip", TM_NO_INDEX, 1));
+    }
+    TM_CHECK(a->net != TM_CMS_LEGACY || tm_tensor_given(&in->loss), TM_ERR_VALUE,
+             "loss: required by the legacy network (its context)");
+    if (tm_tensor_given(&in->loss)) {
+        TM_TRY(tm_check_f32_numel(&in->loss, "loss", TM_NO_INDEX, 1));
+    }
+    return TM_OK;
+}
+
+tm_status
+tm_validate_cms(const tm_cms_tensors *t, const tm_cms_args *args, const tm_cms_inputs *in,
+                const tm_exec *exec, tm_device_ref *ref)
+{
+    TM_CHECK(t != NULL && args != NULL && in != NULL, TM_ERR_INTERNAL,
+             "tm_cms_step: tensors, args and inputs must not be NULL");
+    TM_CHECK(exec != NULL, TM_ERR_INTERNAL, "exec is NULL");
+    TM_CHECK(args->levels >= 1 && args->levels <= TM_CMS_MAX_LEVELS, TM_ERR_VALUE,
+             "levels = %d: must be in [1, %d]", (int)args->levels, TM_CMS_MAX_LEVELS);
+    tm_role roles[CMS_MAX_ROLES];
+    const int n = build_roles(t, in, args->levels, roles);
+    TM_TRY(tm_roles_structure(roles, n));
+    TM_TRY(check_cms_sizes(args, &roles[n - CMS_TAIL + CMS_WEIGHTS].list));
+    TM_TRY(check_cms_counts(roles, n));
+    TM_TRY(tm_roles_check(roles, n, ref));
+    TM_TRY(check_cms_state(roles, args->levels));
+    TM_TRY(check_cms_weights(&roles[n - CMS_TAIL + CMS_WEIGHTS].list, args));
+    TM_TRY(check_cms_hparams(args));
+    TM_TRY(check_cms_inputs(in, args, t->params.count));
+    return tm_check_scratch(exec, tm_cms_scratch_bytes(&t->params, args->levels, args->net));
+}

@@ -1,0 +1,395 @@
+/*
+ * cpu_cms_loops_impl.h -- the CMS update's loops over one block (tm_cms_step; spec
+ * deep_nested_optimizer.md 7.2), compiled once per instruction set: cpu_loops_impl.h includes it
+ * after its load/store helpers, and its table points at cpu_cms_kernels_<isa>. cpu_cms.c drives
+ * the passes and holds the formulas' overview; the element math is tm_cms_math.h's.
+ *
+ * The DirectUpdateMLP is the hot loop (~2,000 flops per element and firing level at H = 20,
+ * L = 2, half of them in the 40 SiLUs). It runs on tiles of CMS_TILE elements, one Linear layer
+ * at a time: for CMS_UNITS units at a time, an `omp simd` loop over the tile's elements whose
+ * body sums k in index order (fully unrolled), so each SIMD lane is one element doing exactly
+ * tm_cms_direct_delta's operations (the tail of a block calls that function itself: bitwise the
+ * same, tested). ~60 cycles per element per hidden layer with AVX-512, the bound of its float
+ * operations without FMA. Partial sums follow the block-reduction scheme of cpu_loops_impl.h:
+ * element e of a block goes to accumulator e % 8, combined pairwise.
+ */
+
+#define CMS_TILE 64
+
+_Static_assert(CMS_TILE % CPU_ACC == 0 && TM_CPU_BLOCK % CMS_TILE == 0, "tiles keep e % 8");
+
+/* x rounded to dt and widened back (the identity for float32). */
+CPU_INLINE float
+cms_round(float x, tm_dtype dt)
+{
+    if (dt == TM_BFLOAT16) {
+        return tm_bf16_to_f32(tm_f32_to_bf16(x));
+    }
+    return dt == TM_FLOAT16 ? tm_f16_to_f32(tm_f32_to_f16(x)) : x;
+}
+
+/* The clipped gradient as the reference holds it: g * scale rounded to the grad's dtype. */
+CPU_INLINE float
+cms_grad(const cpu_cms_block *b, int64_t i, tm_dtype dt)
+{
+    return cms_round(load_elem(b->g, i, dt) * b->grad_scale, dt);
+}
+
+CPU_INLINE double
+cms_join(const double *acc)
+{
+    return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
+/* acc[j] += x[i + j]^2 over a tile (n a multiple of 8), in double. */
+CPU_INLINE void
+cms_sumsq(double *restrict acc, const float *restrict x, int64_t n)
+{
+    for (int64_t i = 0; i < n; i += CPU_ACC) {
+#pragma GCC unroll 8
+        for (int j = 0; j < CPU_ACC; j++) {
+            acc[j] += (double)x[i + j] * (double)x[i + j];
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- DIRECT tiles ---- */
+
+typedef struct {
+    float gh[CMS_TILE];                                     /* g^ */
+    float m[CMS_TILE];                                      /* m_l before the update */
+    float act[2][TM_CMS_DIRECT_MAX_HIDDEN][CMS_TILE];       /* features, then layer outputs */
+    float out[CMS_TILE];                                    /* delta */
+} cms_tile;
+
+/* y[j] = act(W[j] . x + b[j]) for every unit j, one SIMD lane per element. `in` is a constant
+ * at each call, so the sum over k unrolls and the element loop is straight-line code. Units go
+ * CMS_UNITS at a time: independent sums (and SiLUs) in flight hide the add and divide latencies
+ * of each, and each x[k] is loaded once for all of them. Every unit's operations and their
+ * order are tm_cms_unit's. */
+#define CMS_UNITS 4
+_Static_assert(TM_CMS_DIRECT_MAX_HIDDEN % CMS_UNITS == 0, "hidden layers go CMS_UNITS at a time");
+
+CPU_INLINE void
+cms_tile_layer(const float *w, int32_t in, const float *bias, int32_t out,
+               const float (*restrict x)[CMS_TILE], float (*restrict y)[CMS_TILE], int silu,
+               int32_t units)
+{
+    for (int32_t j = 0; j < out; j += units) {
+        const float *wj = w + (int64_t)j * in;
+        TM_SIMD
+        for (int e = 0; e < CMS_TILE; e++) {
+            float acc[CMS_UNITS];
+#pragma GCC unroll 4
+            for (int32_t u = 0; u < units; u++) {
+                acc[u] = wj[u * in] * x[0][e];
+            }
+#pragma GCC unroll 20
+            for (int32_t k = 1; k < in; k++) {
+#pragma GCC unroll 4
+                for (int32_t u = 0; u < units; u++) {
+                    acc[u] = acc[u] + wj[u * in + k] * x[k][e];
+                }
+            }
+#pragma GCC unroll 4
+            for (int32_t u = 0; u < units; u++) {
+                const float v = acc[u] + bias[j + u];
+                y[j + u][e] = silu ? tm_cms_silu(v) : v;
+            }
+        }
+    }
+}
+
+/* The padded network (see tm_cms_direct_delta) on one tile. */
+CPU_INLINE void
+cms_tile_mlp(const tm_cms_direct_net *net, cms_tile *t)
+{
+    const int32_t mh = TM_CMS_DIRECT_MAX_HIDDEN;
+    int cur = 1;
+    cms_tile_layer(&net->w_in[0][0], TM_CMS_DIRECT_IN, net->b_in, mh,
+                   (const float (*)[CMS_TILE])t->act[0], t->act[1], 1, CMS_UNITS);
+    for (int32_t l = 0; l + 1 < net->layers; l++) {
+        cms_tile_layer(&net->w_hid[l][0][0], mh, net->b_hid[l], mh,
+                       (const float (*)[CMS_TILE])t->act[cur], t->act[cur ^ 1], 1, CMS_UNITS);
+        cur ^= 1;
+    }
+    cms_tile_layer(net->w_out, mh, &net->b_out, 1, (const float (*)[CMS_TILE])t->act[cur],
+                   (float (*)[CMS_TILE])t->out, 0, 1);
+}
+
+/* g^, the e and v updates (stored), m, and the four features of elements [s, s + CMS_TILE). */
+CPU_INLINE void
+cms_tile_inputs(const cpu_cms_block *b, int l, int64_t s, tm_dtype dt, cms_tile *t)
+{
+    float *restrict acc = b->acc[l] + s;
+    float *restrict ema = b->ema[l] + s;
+    float *restrict vsq = b->vsq[l] + s;
+    const float *restrict m = b->m[l] + s;
+    const float div = b->c->div[l];
+    TM_SIMD
+    for (int e = 0; e < CMS_TILE; e++) {
+        const float gh = tm_cms_level_grad(acc[e], cms_grad(b, s + e, dt), div);
+        float ev = ema[e];
+        float vv = vsq[e];
+        tm_cms_ema_elem(&ev, &vv, gh, b->c, l);
+        ema[e] = ev;
+        vsq[e] = vv;
+        t->gh[e] = gh;
+        t->m[e] = m[e];
+        tm_cms_preprocess(gh, &t->act[0][0][e], &t->act[0][1][e]);
+        tm_cms_preprocess(m[e], &t->act[0][2][e], &t->act[0][3][e]);
+    }
+}
+
+/* m' = 0.9 m + 0.1 delta into m_l, delta into A_l until the apply pass; sums of squares. */
+CPU_INLINE void
+cms_tile_outputs(const cpu_cms_block *b, int l, int64_t s, cms_tile *t, double (*sums)[CPU_ACC])
+{
+    float *restrict acc = b->acc[l] + s;
+    float *restrict m = b->m[l] + s;
+    float mp[CMS_TILE];
+    TM_SIMD
+    for (int e = 0; e < CMS_TILE; e++) {
+        mp[e] = tm_fadd(tm_fmul(b->c->mom_keep, t->m[e]), tm_fmul(b->c->mom_take, t->out[e]));
+        m[e] = mp[e];
+        acc[e] = t->out[e];
+    }
+    cms_sumsq(sums[0], t->gh, CMS_TILE);
+    cms_sumsq(sums[1], mp, CMS_TILE);
+    cms_sumsq(sums[2], t->out, CMS_TILE);
+}
+
+/* One firing level of a block: tiles, then the tail element by element. */
+CPU_INLINE void
+cms_direct_level(const cpu_cms_block *b, int l, tm_dtype dt, double (*sums)[CPU_ACC])
+{
+    cms_tile t;
+    const int64_t full = b->n - b->n % CMS_TILE;
+    for (int64_t s = 0; s < full; s += CMS_TILE) {
+        cms_tile_inputs(b, l, s, dt, &t);
+        cms_tile_mlp(b->net, &t);
+        cms_tile_outputs(b, l, s, &t, sums);
+    }
+    for (int64_t i = full; i < b->n; i++) {
+        const float gh = tm_cms_level_grad(b->acc[l][i], cms_grad(b, i, dt), b->c->div[l]);
+        tm_cms_ema_elem(&b->ema[l][i], &b->vsq[l][i], gh, b->c, l);
+        const float d = tm_cms_direct_delta(b->net, gh, b->m[l][i]);
+        const float mp = tm_fadd(tm_fmul(b->c->mom_keep, b->m[l][i]), tm_fmul(b->c->mom_take, d));
+        b->m[l][i] = mp;
+        b->acc[l][i] = d;
+        sums[0][i % CPU_ACC] += (double)gh * (double)gh;
+        sums[1][i % CPU_ACC] += (double)mp * (double)mp;
+        sums[2][i % CPU_ACC] += (double)d * (double)d;
+    }
+}
+
+/* ---------------------------------------------------------------- LEGACY ---- */
+
+/* Element i of a firing level: m' = a m + b g^ into m_l, A_l = 0 (a LEGACY contribution needs
+ * no delta), e and v; returns m'. */
+CPU_INLINE float
+cms_legacy_elem(const cpu_cms_block *b, int l, int64_t i, float ca, float cb, tm_dtype dt)
+{
+    const float gh = tm_cms_level_grad(b->acc[l][i], cms_grad(b, i, dt), b->c->div[l]);
+    tm_cms_ema_elem(&b->ema[l][i], &b->vsq[l][i], gh, b->c, l);
+    const float mp = tm_fadd(tm_fmul(ca, b->m[l][i]), tm_fmul(cb, gh));
+    b->m[l][i] = mp;
+    b->acc[l][i] = 0.0f;
+    return mp;
+}
+
+/* Pass A of a LEGACY firing level over a block; sums[e % 8] += m'^2. */
+CPU_INLINE void
+cms_legacy_level(const cpu_cms_block *b, int l, tm_dtype dt, double *restrict sums)
+{
+    const float ca = b->lv[l].a;
+    const float cb = b->lv[l].b;
+    const int64_t full = b->n - b->n % CPU_ACC;
+    for (int64_t i = 0; i < full; i += CPU_ACC) {
+#pragma GCC unroll 8
+        for (int j = 0; j < CPU_ACC; j++) {
+            const float mp = cms_legacy_elem(b, l, i + j, ca, cb, dt);
+            sums[j] += (double)mp * (double)mp;
+        }
+    }
+    for (int64_t i = full; i < b->n; i++) {
+        const float mp = cms_legacy_elem(b, l, i, ca, cb, dt);
+        sums[i % CPU_ACC] += (double)mp * (double)mp;
+    }
+}
+
+/* s[q][j] += the q-th statistic term of element i (see cms_stats_level). */
+CPU_INLINE void
+cms_stats_elem(const cpu_cms_block *b, int l, int64_t i, int j, tm_dtype dt, double (*s)[CPU_ACC])
+{
+    const double km = b->shift_m[l];
+    const double kg = b->shift_g[l];
+    const double x = b->m[l][i];
+    const double g = tm_cms_level_grad(b->acc[l][i], cms_grad(b, i, dt), b->c->div[l]);
+    s[0][j] += x - km;
+    s[1][j] += (x - km) * (x - km);
+    s[2][j] += x * x;
+    s[3][j] += g - kg;
+    s[4][j] += (g - kg) * (g - kg);
+    s[5][j] += g * g;
+}
+
+/* Pass S: s = [sum (x - k), sum (x - k)^2, sum x^2] of m (k = m[0]) and of g^ (k = g^[0]). */
+CPU_INLINE void
+cms_stats_level(const cpu_cms_block *b, int l, tm_dtype dt, double (*s)[CPU_ACC])
+{
+    const int64_t full = b->n - b->n % CPU_ACC;
+    for (int64_t i = 0; i < full; i += CPU_ACC) {
+#pragma GCC unroll 8
+        for (int j = 0; j < CPU_ACC; j++) {
+            cms_stats_elem(b, l, i + j, j, dt, s);
+        }
+    }
+    for (int64_t i = full; i < b->n; i++) {
+        cms_stats_elem(b, l, i, (int)(i % CPU_ACC), dt, s);
+    }
+}
+
+/* ---------------------------------------------------------------- passes ---- */
+
+/* Pass A over a block: every non-firing level accumulates, every firing level updates. */
+CPU_INLINE void
+cms_update(const cpu_cms_block *b, tm_dtype dt)
+{
+    const int parts = b->legacy ? TM_CMS_LEGACY_PARTS : TM_CMS_DIRECT_PARTS;
+    for (int l = 0; l < b->c->levels; l++) {
+        if (!(b->c->fires >> l & 1u)) {
+            float *restrict acc = b->acc[l];
+            TM_SIMD
+            for (int64_t i = 0; i < b->n; i++) {
+                acc[i] = acc[i] + cms_grad(b, i, dt);
+            }
+            continue;
+        }
+        double sums[TM_CMS_DIRECT_PARTS][CPU_ACC] = {{0.0}};
+        if (b->legacy) {
+            cms_legacy_level(b, l, dt, sums[0]);
+            b->parts[l * parts + TM_CMS_LEGACY_PARTS - 1] = cms_join(sums[0]);
+        } else {
+            cms_direct_level(b, l, dt, sums);
+            for (int q = 0; q < TM_CMS_DIRECT_PARTS; q++) {
+                b->parts[l * parts + q] = cms_join(sums[q]);
+            }
+        }
+    }
+}
+
+CPU_INLINE void
+cms_stats(const cpu_cms_block *b, tm_dtype dt)
+{
+    for (int l = 0; l < b->c->levels; l++) {
+        if (b->c->fires >> l & 1u) {
+            double s[TM_CMS_LEGACY_PARTS - 1][CPU_ACC] = {{0.0}};
+            cms_stats_level(b, l, dt, s);
+            for (int q = 0; q < TM_CMS_LEGACY_PARTS - 1; q++) {
+                b->parts[l * TM_CMS_LEGACY_PARTS + q] = cms_join(s[q]);
+            }
+        }
+    }
+}
+
+/* Pass B for one fired level: m_l = m' * scale; c = delta (DIRECT, held in A_l, which becomes
+ * 0) or m_l (1 - d) (LEGACY); u += c when the level is ok. */
+CPU_INLINE void
+cms_apply_level(const cpu_cms_block *b, int l, float *restrict u, int direct)
+{
+    const tm_cms_level_out *o = &b->lv[l];
+    float *restrict m = b->m[l];
+    float *restrict acc = b->acc[l];
+    const float scale = o->scale;
+    const float omd = o->omd;
+    const int ok = o->ok;
+    TM_SIMD
+    for (int64_t i = 0; i < b->n; i++) {
+        const float mc = tm_fmul(m[i], scale);
+        const float c = direct ? acc[i] : tm_fmul(mc, omd);
+        m[i] = mc;
+        if (direct) {
+            acc[i] = 0.0f;
+        }
+        u[i] = tm_fadd(u[i], tm_cms_select(ok, c, 0.0f)); /* u + 0 == u: u starts at +0 */
+    }
+}
+
+/* The last step of pass B: v = u / sqrt(n) (n > 1; else / 1, exact), + wd p (when wd > 0),
+ * rounded to p's dtype, then p + (-lr) v as one FMA: torch's add_ with alpha (on the CPU torch
+ * rounds alpha to p's dtype, a no-op for float32). */
+CPU_INLINE void
+cms_apply_params(const cpu_cms_block *b, const float *restrict u, tm_dtype dt, int decay)
+{
+    const float alpha = cms_round(-b->lr, dt);
+    const float den = b->tv->n_ok > 1 ? b->tv->sqrt_n : 1.0f;
+    const float wd = b->c->weight_decay;
+    TM_SIMD
+    for (int64_t i = 0; i < b->n; i++) {
+        const float p = load_elem(b->p, i, dt);
+        float v = tm_fdiv(u[i], den);
+        if (decay) {
+            v = tm_fadd(v, cms_round(tm_fmul(wd, p), dt));
+        }
+        store_elem(b->p, i, tm_fma(alpha, cms_round(v, dt), p), dt);
+    }
+}
+
+/* Pass B: u = sum of the ok contributions (level order, from 0), then the params. */
+CPU_INLINE void
+cms_apply(const cpu_cms_block *b, tm_dtype dt)
+{
+    float u[TM_CPU_BLOCK];
+    for (int64_t i = 0; i < b->n; i++) {
+        u[i] = 0.0f;
+    }
+    for (int l = 0; l < b->c->levels; l++) {
+        if (b->lv[l].fired && b->legacy) {
+            cms_apply_level(b, l, u, 0);
+        } else if (b->lv[l].fired) {
+            cms_apply_level(b, l, u, 1);
+        }
+    }
+    if (b->tv->apply && b->c->weight_decay > 0.0f) {
+        cms_apply_params(b, u, dt, 1);
+    } else if (b->tv->apply) {
+        cms_apply_params(b, u, dt, 0);
+    }
+}
+
+#define CPU_DEFINE_CMS(DT, DTYPE)                                                                  \
+    static void cms_update_##DT(const cpu_cms_block *b) { cms_update(b, DTYPE); }                  \
+    static void cms_stats_##DT(const cpu_cms_block *b) { cms_stats(b, DTYPE); }                    \
+    static void cms_apply_##DT(const cpu_cms_block *b) { cms_apply(b, DTYPE); }
+
+CPU_DEFINE_CMS(f32, TM_FLOAT32)
+CPU_DEFINE_CMS(f16, TM_FLOAT16)
+CPU_DEFINE_CMS(bf16, TM_BFLOAT16)
+
+static void
+cms_update_any(const cpu_cms_block *b)
+{
+    b->dtype == TM_FLOAT32 ? cms_update_f32(b)
+                           : (b->dtype == TM_FLOAT16 ? cms_update_f16(b) : cms_update_bf16(b));
+}
+
+static void
+cms_stats_any(const cpu_cms_block *b)
+{
+    b->dtype == TM_FLOAT32 ? cms_stats_f32(b)
+                           : (b->dtype == TM_FLOAT16 ? cms_stats_f16(b) : cms_stats_bf16(b));
+}
+
+static void
+cms_apply_any(const cpu_cms_block *b)
+{
+    b->dtype == TM_FLOAT32 ? cms_apply_f32(b)
+                           : (b->dtype == TM_FLOAT16 ? cms_apply_f16(b) : cms_apply_bf16(b));
+}
+
+static const cpu_cms_kernels TM_CAT(cpu_cms_kernels_, TM_ISA_SUFFIX) = {
+    .stats = cms_stats_any,
+    .update = cms_update_any,
+    .apply = cms_apply_any,
+};

@@ -1,0 +1,174 @@
+"""_C.cms_step's argument checks: each bad call raises the exact message, naming the tensor (list,
+level and index: "momentum[1][3]" is level 1 of tensor 3) or the number, and writes nothing."""
+
+import pytest
+import torch
+
+from titanmac_c import _C
+
+SIZES = [5, 7, 3, 12]
+K = 3
+
+
+def _valid(net="direct", H=4, L=2):
+    f32 = dict(dtype=torch.float32)
+    params = [torch.randn(n) for n in SIZES]
+    shapes = [(H * (4 if net == "direct" else 9),), (H,)] + [(H * H,), (H,)] * (L - 1)
+    shapes += [(H,), (1,)] if net == "direct" else [(3 * H,), (3,)]
+    weights = ([torch.ones(1)] if net == "legacy" else []) + [torch.randn(s) * 0.3 for s in shapes]
+    args = {
+        "params": params,
+        "grads": [torch.randn(n) for n in SIZES],
+        "momentum": [[torch.zeros(n) for n in SIZES] for _ in range(K)],
+        "accumulated": [[torch.zeros(n) for n in SIZES] for _ in range(K)],
+        "ema": [[torch.zeros(n) for n in SIZES] for _ in range(K)],
+        "v_sq": [[torch.zeros(n) for n in SIZES] for _ in range(K)],
+        "step_counts": [torch.zeros(K) for _ in SIZES],
+        "lr": torch.full((2,), 0.1, **f32),
+        "group_of": [0, 1, 0, 1],
+        "weights": weights,
+    }
+    kw = dict(fires=[True, True, False], divisors=[1.0, 10.0, 100.0],
+              ema_decays=[0.99, 0.999, 0.9999], net=net, hidden=H, layers=L, weight_decay=0.01,
+              t=10, base_lr=0.1, loss=torch.ones(1), grad_scale=torch.ones(1), skip=None)
+    return args, kw
+
+
+ORDER = ["params", "grads", "momentum", "accumulated", "ema", "v_sq", "step_counts", "lr",
+         "group_of", "weights"]
+
+
+def _written(args):
+    lists = args["params"] + args["step_counts"]
+    lists += [t for k in ("momentum", "accumulated", "ema", "v_sq") for lv in args[k] for t in lv]
+    return lists
+
+
+def _expect_error(args, kw, exc, message):
+    snap = [t.clone() for t in _written(args)]
+    with pytest.raises(exc, match="^" + message + "$"):
+        _C.cms_step(*[args[k] for k in ORDER], **kw)
+    assert all(torch.equal(a, b) for a, b in zip(_written(args), snap)), "a tensor was written"
+
+
+def test_a_valid_call_runs():
+    args, kw = _valid()
+    _C.cms_step(*[args[k] for k in ORDER], **kw)
+    assert args["step_counts"][0].tolist() == [1.0, 1.0, 0.0]
+
+
+def _state_numel(args, kw):
+    args["momentum"][1][3] = torch.zeros(10)
+    return ValueError, "momentum\\[1\\]\\[3\\]: numel 10 does not match params\\[3\\] numel 12"
+
+
+def _state_dtype(args, kw):
+    args["ema"][0][1] = torch.zeros(7, dtype=torch.bfloat16)
+    return ValueError, "ema\\[0\\]\\[1\\]: dtype bfloat16, CMS state must be float32"
+
+
+def _state_count(args, kw):
+    args["v_sq"][2].pop()
+    return ValueError, "v_sq\\[2\\]: 3 tensors, params has 4"
+
+
+def _grad_dtype(args, kw):
+    args["grads"][0] = args["grads"][0].bfloat16()
+    return ValueError, "grads\\[0\\]: dtype bfloat16 does not match params\\[0\\] dtype float32"
+
+
+def _steps_numel(args, kw):
+    args["step_counts"][2] = torch.zeros(1)
+    return ValueError, "step_counts\\[2\\]: expected float32 with 3 elements, got float32 with 1"
+
+
+def _weights_count(args, kw):
+    args["weights"].pop()
+    return ValueError, "weights: 5 tensors, the direct network \\(layers = 2\\) has 6"
+
+
+def _weights_numel(args, kw):
+    args["weights"][2] = torch.zeros(10)
+    return ValueError, "weights\\[2\\]: numel 10 does not match the direct network's H\\*H = 16"
+
+
+def _hidden(args, kw):
+    kw["hidden"] = 21
+    return ValueError, "hidden = 21: must be in \\[1, 20\\] for the direct network"
+
+
+def _levels_mismatch(args, kw):
+    args["accumulated"].pop()
+    return ValueError, "accumulated: 2 levels, momentum has 3"
+
+
+def _fires_length(args, kw):
+    kw["fires"] = [True, False]
+    return ValueError, "fires: 2 levels, momentum has 3"
+
+
+def _too_many_levels(args, kw):
+    for k in ("momentum", "accumulated", "ema", "v_sq"):
+        args[k] += [[torch.zeros(n) for n in SIZES] for _ in range(2)]
+    return ValueError, "momentum: 5 levels, must be in \\[1, 4\\]"
+
+
+def _group_of(args, kw):
+    args["group_of"] = [0, 2, 0, 1]
+    return ValueError, "group_of\\[1\\] = 2 is not in \\[0, 2\\)"
+
+
+def _divisor(args, kw):
+    kw["divisors"] = [1.0, 0.5, 100.0]
+    return ValueError, "divisors\\[1\\] = 0.5: must be finite and >= 1"
+
+
+def _net_name(args, kw):
+    kw["net"] = "lstm"
+    return ValueError, "net: expected 'direct' or 'legacy', got 'lstm'"
+
+
+def _alias(args, kw):
+    args["momentum"][0][2] = args["params"][2]
+    return ValueError, "momentum\\[0\\]\\[2\\]: shares memory with params\\[2\\]"
+
+
+def _lr_dtype(args, kw):
+    args["lr"] = torch.ones(2, dtype=torch.float16)
+    return ValueError, "lr: expected float32 with 2 elements, got float16 with 2"
+
+
+def _scratch(args, kw):
+    kw["scratch"] = torch.empty(8, dtype=torch.uint8)
+    need = _C.cms_scratch_bytes(args["params"], levels=K, net="direct")
+    return ValueError, f"scratch: CPU needs {need} bytes, got 8 \\(see cms_scratch_bytes\\)"
+
+
+CASES = [_state_numel, _state_dtype, _state_count, _grad_dtype, _steps_numel, _weights_count,
+         _weights_numel, _hidden, _levels_mismatch, _fires_length, _too_many_levels, _group_of,
+         _divisor, _net_name, _alias, _lr_dtype, _scratch]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.__name__[1:] for c in CASES])
+def test_bad_call_raises_and_writes_nothing(case):
+    args, kw = _valid()
+    exc, message = case(args, kw)
+    _expect_error(args, kw, exc, message)
+
+
+def test_legacy_residual_weight_and_loss():
+    args, kw = _valid("legacy")
+    args["weights"][0] = torch.ones(2)
+    _expect_error(args, kw, ValueError,
+                  "weights\\[0\\]: numel 2 does not match the legacy network's "
+                  "residual_weight = 1")
+    args, kw = _valid("legacy")
+    kw["loss"] = None
+    _expect_error(args, kw, ValueError, "loss: required by the legacy network \\(its context\\)")
+
+
+def test_missing_keyword():
+    args, kw = _valid()
+    del kw["t"]
+    with pytest.raises(TypeError, match="missing required keyword-only argument: 't'"):
+        _C.cms_step(*[args[k] for k in ORDER], **kw)
