@@ -15,8 +15,12 @@ from ._reference_dno import SURROGATE_MAX_TENSORS
 CMS_BUFFERS = ("momentum", "accumulated_grad", "ema_grad", "v_sq")
 
 
-def level_frequencies(cms_frequencies):
-    """Level l fires every B**l steps, B = cms_frequencies[1] (10 with one level): spec 7.1, B7."""
+def level_frequencies(cms_frequencies, consistent=False):
+    """Level l fires every B**l steps, B = cms_frequencies[1] (10 with one level): spec 7.1, B7.
+    consistent (fix_reference_bugs): level l fires every cms_frequencies[l] steps, the period
+    its gradient sum is divided by."""
+    if consistent:
+        return [int(f) for f in cms_frequencies]
     base = cms_frequencies[1] if len(cms_frequencies) > 1 else 10
     return [int(base ** level) for level in range(len(cms_frequencies))]
 
@@ -24,10 +28,10 @@ def level_frequencies(cms_frequencies):
 class CMSState:
     """The CMS buffers of every grouped tensor, as per-level lists in group order."""
 
-    def __init__(self, params, cms_frequencies, device):
+    def __init__(self, params, cms_frequencies, device, consistent=False):
         self.params = list(params)
         self.k = len(cms_frequencies)
-        self.frequencies = level_frequencies(cms_frequencies)
+        self.frequencies = level_frequencies(cms_frequencies, consistent)
         self.ema_decays = [0.99 ** (1.0 / f) for f in self.frequencies]
         self.index = {p: i for i, p in enumerate(self.params)}
         f32 = dict(dtype=torch.float32, device=device)
@@ -119,3 +123,26 @@ def select_phase1_tensors(param_groups):
                 if len(selected) >= SURROGATE_MAX_TENSORS:
                     return selected
     return selected
+
+
+@torch.no_grad()
+def init_output_on_sign(mlp):
+    """The corrected B4: DirectUpdateMLP starts at output = 0.1 * sign_g exactly (the intent of
+    the reference's weight[0, 1] = 0.1, which lands on a hidden unit instead). Hidden units 0 and
+    1 read only sign_g, with opposite signs, and every later hidden layer carries them on; since
+    SiLU(x) - SiLU(-x) = x, the output layer's weights (0.1, -0.1) on them give 0.1 * sign_g."""
+    linears = [m for m in mlp.modules() if isinstance(m, torch.nn.Linear)]
+    first, hidden, out = linears[0], linears[1:-1], linears[-1]
+    if first.out_features < 2:
+        raise ValueError("fix_reference_bugs needs a momentum MLP of width >= 2")
+    first.weight[0:2].zero_()
+    first.weight[0, 1], first.weight[1, 1] = 1.0, -1.0  # feature 1 is sign_g
+    first.bias[0:2].zero_()
+    for layer in hidden:
+        layer.weight[0:2].zero_()
+        layer.weight[0, 0], layer.weight[0, 1] = 1.0, -1.0
+        layer.weight[1, 0], layer.weight[1, 1] = -1.0, 1.0
+        layer.bias[0:2].zero_()
+    out.weight.zero_()
+    out.bias.zero_()
+    out.weight[0, 0], out.weight[0, 1] = 0.1, -0.1

@@ -64,7 +64,7 @@ from ._reference_dno import (
     group_moe_params,
     infer_param_depth,
 )
-from ._cms import CMSState, select_phase1_tensors, surrogate_loss
+from ._cms import CMSState, init_output_on_sign, select_phase1_tensors, surrogate_loss
 from ._runtime import Scratch, exec_kwargs, norms_scratch
 from .functional import clip_grad_norm_
 from .optim import AdamW
@@ -91,7 +91,8 @@ class DeepNestedOptimizer:
                  controller_num_layers=2, use_gradient_checkpointing=True, mode="simple",
                  meta_update_freq=100, weight_decay=0.0, max_grad_norm=1.0, low_memory=False,
                  use_cms_updates=False, use_preprocessing=True, use_compile=False,
-                 controller_update_freq=1, use_cuda_graph=False, cuda_graph_warmup_steps=3):
+                 controller_update_freq=1, use_cuda_graph=False, cuda_graph_warmup_steps=3,
+                 *, fix_reference_bugs=False):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
         if mode not in ("simple", "explicit"):
@@ -105,6 +106,10 @@ class DeepNestedOptimizer:
         self.meta_lr = _check_float("meta_lr", meta_lr)
         self.k_unroll = _check_int("k_unroll", k_unroll, 1)
         self.cms_frequencies = list(cms_frequencies)
+        # Off: the reference's learning behaviour, bugs included, so results reproduce. On: B1
+        # (Phase 1 trains on the current gradient), B4 (DirectUpdateMLP starts at 0.1 * sign_g),
+        # B6 (controller inputs log1p(norm) / 10), B7 (level l fires every cms_frequencies[l]).
+        self.fix_reference_bugs = bool(fix_reference_bugs)
         self.momentum_hidden_dim = _check_int("momentum_hidden_dim", momentum_hidden_dim, 1)
         self.momentum_num_layers = _check_int("momentum_num_layers", momentum_num_layers, 1)
         self.controller_hidden_dim = _check_int("controller_hidden_dim", controller_hidden_dim, 1)
@@ -147,8 +152,10 @@ class DeepNestedOptimizer:
                               if self.use_preprocessing else None)
         self.mlp_train_freq = SURROGATE_FREQ
         grouped = [p for g in self.base_optimizer.param_groups for p in g["params"]]
-        self._cms = CMSState(grouped, self.cms_frequencies, self.device) \
-            if self.use_cms_updates else None
+        self._cms = CMSState(grouped, self.cms_frequencies, self.device,
+                             consistent=self.fix_reference_bugs) if self.use_cms_updates else None
+        if self.fix_reference_bugs and self.use_preprocessing:
+            init_output_on_sign(self.momentum_mlp)
         self.state = self._cms.public_view() if self._cms is not None else {}
         self._mlp_output_history = {}  # tensor index -> last Phase-1 output (not checkpointed)
         self._last_surrogate_loss = None
@@ -304,11 +311,19 @@ class DeepNestedOptimizer:
                      **exec_kwargs(self.device))
         return out[0:g]
 
+    def _controller_inputs(self, grad_norms, param_norms):
+        """The stats columns the controller reads: raw norms (B6, the reference), or with
+        fix_reference_bugs log1p(norm) / 10 as the sibling ContinuumOptimizer scales them."""
+        if not self.fix_reference_bugs:
+            return grad_norms, param_norms
+        return torch.log1p(grad_norms) / 10.0, torch.log1p(param_norms) / 10.0
+
     def _control(self, t, update, check_loss, base_lr=None):
         g = N_GROUPS
         n = self._norms
+        grad_in, param_in = self._controller_inputs(n[0:g], n[g:2 * g])
         _C.dno_control(
-            n[0:g], n[g:2 * g], n[2 * g:], self.group_depths, self._loss,
+            grad_in, param_in, n[2 * g:], self.group_depths, self._loss,
             [w.detach() for w in self.controller.parameters()], self._lr_multipliers,
             self.ema_loss, self._lr, self._coef, self.skipped,
             hidden=self.controller_hidden_dim, layers=self.controller_num_layers,
@@ -349,7 +364,10 @@ class DeepNestedOptimizer:
         with torch.enable_grad():
             for p in selected:
                 i = cms.index[p]
-                g0 = cms.buffers["accumulated_grad"][0][i].detach().clone() / divisor
+                if self.fix_reference_bugs:  # B1 corrected: the current (clipped) gradient
+                    g0 = p.grad.detach().float() * self._coef / divisor
+                else:  # B1: A_0 was reset by the last Phase 2, so this is zero
+                    g0 = cms.buffers["accumulated_grad"][0][i].detach().clone() / divisor
                 out = self.momentum_mlp(g0, cms.buffers["momentum"][0][i].detach())
                 losses.append(surrogate_loss(out, g0, self._mlp_output_history.get(i)))
                 self._mlp_output_history[i] = out.detach().clone()
@@ -441,7 +459,8 @@ class DeepNestedOptimizer:
         self._run_norms(True)
         g = N_GROUPS
         grad_norms = self._norms[0:g] if grad_scale is None else self._norms[0:g] * grad_scale
-        stats = torch.stack([grad_norms, self._norms[g:2 * g], self.group_depths], dim=1)
+        grad_in, param_in = self._controller_inputs(grad_norms, self._norms[g:2 * g])
+        stats = torch.stack([grad_in, param_in, self.group_depths], dim=1)
         ones = torch.ones_like(self.group_depths)
         return torch.where(torch.isfinite(stats),
                            stats, torch.stack([ones, ones, self.group_depths], dim=1))
