@@ -4,14 +4,20 @@ host syncs included) and with titanmac_c.DeepNestedOptimizer, and report per imp
 steps per second, optimizer time per step (median), and on CUDA kernel launches and host syncs
 inside one optimizer step, plus the loss after the run (the two must agree).
 
-Usage: python benchmarks/bench_train.py [--device cpu|cuda] [--steps 60] [--warmup 5]
-                                        [--out benchmarks/out/bench_train.json]
+Peak memory: on CUDA torch.cuda.max_memory_allocated; on the CPU the peak resident set size of
+a subprocess that trains only one implementation (so neither counts the other's tensors), next
+to the bytes the optimizer keeps as state.
+
+Usage: python benchmarks/bench_train.py [--device cpu|cuda] [--mode adamw|cms] [--steps 60]
+                                        [--warmup 5] [--out benchmarks/out/bench_train.json]
 """
 
 import argparse
 import copy
 import json
 import os
+import resource
+import subprocess
 import statistics
 import sys
 import time
@@ -34,11 +40,26 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def train(kind, device, steps, warmup, batches):
+def state_bytes(opt):
+    """Bytes of tensors the optimizer keeps between steps (AdamW state and CMS buffers)."""
+    tensors = [t for st in opt.base_optimizer.state.values() for t in st.values()
+               if isinstance(t, torch.Tensor)]
+    for st in opt.state.values():
+        if hasattr(st, "levels"):  # the reference's ContinuumMemoryState
+            tensors += [getattr(lvl, k) for lvl in st.levels
+                        for k in ("momentum", "accumulated_grad", "ema_grad", "v_sq")]
+        else:
+            tensors += [t for v in st.values() for t in (v if isinstance(v, list) else [v])]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def train(kind, device, steps, warmup, batches, mode="adamw"):
     torch.manual_seed(0)
     model = make_titanmac_like_model(seed=0).to(device)
     cls = ReferenceDeepNestedOptimizer if kind == "reference" else titanmac_c.DeepNestedOptimizer
-    opt = cls(model, **OPT_KW)
+    opt = cls(model, use_cms_updates=(mode == "cms"), **OPT_KW)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     opt_times, losses = [], []
     _sync(device)
     start = None
@@ -59,8 +80,11 @@ def train(kind, device, steps, warmup, batches):
         losses.append(loss.detach())
     _sync(device)
     wall = time.perf_counter() - start
-    return dict(impl=kind, steps_per_s=steps / wall, opt_ms=statistics.median(opt_times) * 1e3,
-                final_loss=float(losses[-1]), model=model, opt=opt)
+    peak = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    return dict(impl=kind, mode=mode, steps_per_s=steps / wall,
+                opt_ms=statistics.median(opt_times) * 1e3, final_loss=float(losses[-1]),
+                state_mb=state_bytes(opt) / 2**20, peak_mb=peak / 2**20, model=model, opt=opt)
 
 
 def launches_and_syncs(run, device, batch):
@@ -94,28 +118,40 @@ def launches_and_syncs(run, device, batch):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--mode", choices=("adamw", "cms"), default="adamw")
+    parser.add_argument("--only", choices=("reference", "titanmac_c"), help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--out", default=os.path.join("benchmarks", "out", "bench_train.json"))
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     batches = synthetic_batches("titanmac", args.warmup + args.steps + 1, seed=0, device=device)
+    if args.only:  # a child process: one implementation, its row as JSON on the last line
+        run = train(args.only, device, args.steps, args.warmup, batches, args.mode)
+        run["launches"], run["syncs"] = launches_and_syncs(run, device, batches[-1])
+        print(json.dumps({k: v for k, v in run.items() if k not in ("model", "opt")}))
+        return
     rows = []
     for kind in ("reference", "titanmac_c"):
-        print(f"[bench_train] {kind} on {device} ...", file=sys.stderr, flush=True)
-        run = train(kind, device, args.steps, args.warmup, batches)
-        run["launches"], run["syncs"] = launches_and_syncs(run, device, batches[-1])
-        rows.append({k: v for k, v in run.items() if k not in ("model", "opt")})
+        print(f"[bench_train] {kind}, {args.mode} mode, on {device} ...", file=sys.stderr,
+              flush=True)
+        child = subprocess.run(
+            [sys.executable, os.path.abspath(__file__), "--only", kind, "--device", args.device,
+             "--mode", args.mode, "--steps", str(args.steps), "--warmup", str(args.warmup)],
+            capture_output=True, text=True, check=True)
+        rows.append(json.loads(child.stdout.strip().splitlines()[-1]))
     ref, ours = rows
     print(f"{'impl':>11} {'steps/s':>8} {'opt ms/step':>12} {'launches':>9} {'syncs':>6} "
-          f"{'final loss':>11}")
+          f"{'state MB':>9} {'peak MB':>8} {'final loss':>11}")
     for r in rows:
         print(f"{r['impl']:>11} {r['steps_per_s']:>8.2f} {r['opt_ms']:>12.3f} "
-              f"{str(r['launches']):>9} {str(r['syncs']):>6} {r['final_loss']:>11.5f}")
+              f"{str(r['launches']):>9} {str(r['syncs']):>6} {r['state_mb']:>9.1f} "
+              f"{r['peak_mb']:>8.1f} {r['final_loss']:>11.5f}")
     print(f"optimizer step speed-up: {ref['opt_ms'] / ours['opt_ms']:.1f}x; "
           f"training speed-up: {ours['steps_per_s'] / ref['steps_per_s']:.2f}x")
     meta = dict(device=str(device), torch=torch.__version__, titanmac_c=titanmac_c.__version__,
-                threads=torch.get_num_threads(), steps=args.steps, options=OPT_KW,
+                threads=torch.get_num_threads(), steps=args.steps, mode=args.mode,
+                options=OPT_KW,
                 date=time.strftime("%Y-%m-%d"))
     if device.type == "cuda":
         meta["gpu"] = torch.cuda.get_device_name(device)
