@@ -141,4 +141,21 @@ tm_cms_context(float *c, double t, double base_lr, float loss)
     c[2] = (float)log(l + 1.0);
 }
 
+/* Partial sums kept per (unit, level): units are the backend's reduction blocks. */
+TM_HOST_DEVICE int32_t
+tm_cms_parts_of(tm_cms_net net)
+{
+    return net == TM_CMS_LEGACY ? TM_CMS_LEGACY_PARTS : TM_CMS_DIRECT_PARTS;
+}
+
+/* The scratch layout both backends share: double partials [units][levels][parts], then the
+ * per-(tensor, level) results [n][levels], then the per-tensor results [n]. */
+TM_HOST_DEVICE size_t
+tm_cms_scratch_layout_bytes(size_t units, size_t n, int32_t levels, tm_cms_net net)
+{
+    const size_t k = levels < 0 ? 0 : (levels > TM_CMS_MAX_LEVELS ? TM_CMS_MAX_LEVELS : levels);
+    return units * k * (size_t)tm_cms_parts_of(net) * sizeof(double) +
+           n * k * sizeof(tm_cms_level_out) + n * sizeof(tm_cms_tensor_out);
+}
+
 #endif /* TM_CMS_FINISH_H */

@@ -40,22 +40,14 @@ typedef struct {
     int stats_pass; /* pass S: the blocks need the LEGACY shifts (read before pass A writes) */
 } cms_ctx;
 
-static int32_t
-parts_of(tm_cms_net net)
-{
-    return net == TM_CMS_LEGACY ? TM_CMS_LEGACY_PARTS : TM_CMS_DIRECT_PARTS;
-}
-
 size_t
 cpu_cms_scratch_bytes(const tm_tensor_list *params, int32_t levels, tm_cms_net net)
 {
     if (params == NULL || params->count <= 0 || params->tensors == NULL) {
         return 0;
     }
-    const size_t k = levels < 0 ? 0 : (levels > TM_CMS_MAX_LEVELS ? TM_CMS_MAX_LEVELS : levels);
-    const size_t n = (size_t)params->count;
-    return (size_t)cpu_count_blocks(params) * k * (size_t)parts_of(net) * sizeof(double) +
-           n * k * sizeof(tm_cms_level_out) + n * sizeof(tm_cms_tensor_out);
+    return tm_cms_scratch_layout_bytes((size_t)cpu_count_blocks(params), (size_t)params->count,
+                                       levels, net);
 }
 
 /* g^_l of element 0 of tensor i, as the loops compute it (the LEGACY stats' shift). */
@@ -220,7 +212,7 @@ cpu_cms_step(const tm_cms_tensors *t, const tm_cms_args *a, const tm_cms_inputs 
         .lr = in->lr.data,
         .grad_scale = tm_tensor_given(&in->grad_scale) ? *(const float *)in->grad_scale.data : 1.0f,
         .levels = a->levels,
-        .parts = parts_of(a->net),
+        .parts = tm_cms_parts_of(a->net),
         .part = exec->scratch,
     };
     x.lv = (tm_cms_level_out *)(x.part + blocks * a->levels * x.parts);

@@ -181,23 +181,14 @@ struct cms_walk {
 
 /* ---------------------------------------------------------------- entry points ---- */
 
-static int32_t
-cms_parts_of(tm_cms_net net)
-{
-    return net == TM_CMS_LEGACY ? TM_CMS_LEGACY_PARTS : TM_CMS_DIRECT_PARTS;
-}
-
 size_t
 cuda_cms_scratch_bytes(const tm_tensor_list *params, int32_t levels, tm_cms_net net)
 {
     if (params == NULL || params->count <= 0 || params->tensors == NULL) {
         return 0;
     }
-    const size_t k = levels < 0 ? 0 : (levels > TM_CMS_MAX_LEVELS ? TM_CMS_MAX_LEVELS : levels);
-    const size_t n = (size_t)params->count;
     const size_t slices = (size_t)cuda_list_chunks(params) * TM_CMS_SPLIT;
-    return slices * k * (size_t)cms_parts_of(net) * sizeof(double) +
-           n * k * sizeof(tm_cms_level_out) + n * sizeof(tm_cms_tensor_out);
+    return tm_cms_scratch_layout_bytes(slices, (size_t)params->count, levels, net);
 }
 
 tm_status
@@ -222,7 +213,7 @@ cuda_cms_step(const tm_cms_tensors *t, const tm_cms_args *a, const tm_cms_inputs
     for (int32_t i = 0; i < 2 * TM_CMS_MAX_LAYERS + 3; i++) {
         p.w[i] = i < t->weights.count ? (const float *)t->weights.tensors[i].data : NULL;
     }
-    p.nparts = cms_parts_of(a->net);
+    p.nparts = tm_cms_parts_of(a->net);
     p.parts = (double *)exec->scratch;
     const int64_t slices = cuda_list_chunks(&t->params) * TM_CMS_SPLIT;
     p.lv = (tm_cms_level_out *)(p.parts + slices * a->levels * p.nparts);
