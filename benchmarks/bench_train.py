@@ -13,7 +13,6 @@ Usage: python benchmarks/bench_train.py [--device cpu|cuda] [--mode adamw|cms] [
 """
 
 import argparse
-import copy
 import json
 import os
 import resource

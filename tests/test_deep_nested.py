@@ -224,3 +224,20 @@ def test_public_surface():
 def test_constructor_rejects_bad_values(kw, match):
     with pytest.raises(ValueError, match=match):
         titanmac_c.DeepNestedOptimizer(make_mlp_10_32_5(seed=0), **kw)
+
+
+def test_cuda_graph_request_without_cuda_warns_and_runs_eagerly():
+    """Spec 11: graph mode needs CUDA; elsewhere the reference warns and runs eagerly, and so do
+    we (results equal to the eager optimizer)."""
+    model_a = make_mlp_10_32_5(seed=0)
+    model_b = copy.deepcopy(model_a)
+    with pytest.warns(UserWarning, match="use_cuda_graph"):
+        graph = titanmac_c.DeepNestedOptimizer(model_a, use_cuda_graph=True)
+    eager = titanmac_c.DeepNestedOptimizer(model_b)
+    eager.controller.load_state_dict(graph.controller.state_dict())
+    assert graph.use_cuda_graph is False
+    for step, batch in enumerate(synthetic_batches("mlp", 8, seed=0), start=1):
+        _one_step(model_a, graph, batch, 0)
+        _one_step(model_b, eager, batch, 0)
+    for pa, pb in zip(model_a.parameters(), model_b.parameters()):
+        assert torch.equal(pa, pb)

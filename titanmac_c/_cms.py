@@ -8,9 +8,25 @@ parameter's shape), and the level's fire count, kept as a float32 device tensor 
 (incremented by the C core, so a step skipped on the device does not count).
 """
 
+import math
+
 import torch
 
-from ._reference_dno import SURROGATE_MAX_TENSORS
+from . import _C
+from ._reference_dno import (
+    DIRECT_MLP_MAX_HIDDEN,
+    EMA_TARGET_MIN,
+    IMPROVEMENT_THRESHOLD,
+    META_GRAD_CLIP,
+    META_SAMPLE_MAX,
+    META_SAMPLE_PER_GROUP,
+    PROXY_WARMUP_ENTRIES,
+    STAGNATION_CONSTANT,
+    SURROGATE_MAX_TENSORS,
+    _fused_clip_grad_norm_,
+    _tensor_stats,
+)
+from ._runtime import exec_kwargs
 
 CMS_BUFFERS = ("momentum", "accumulated_grad", "ema_grad", "v_sq")
 
@@ -146,3 +162,110 @@ def init_output_on_sign(mlp):
     out.weight.zero_()
     out.bias.zero_()
     out.weight[0, 0], out.weight[0, 1] = 0.1, -0.1
+
+
+class CMSModeMixin:
+    """The CMS-mode steps of DeepNestedOptimizer (its attributes: _cms, momentum_mlp,
+    mlp_optimizer, base_optimizer, _lr, _coef, skipped, _loss, ...)."""
+
+
+    def _phase1(self, t):
+        """Spec 7.2 Phase 1, every mlp_train_freq steps with DirectUpdateMLP: the surrogate
+        training on the first 20 tensors with a gradient, in torch autograd. Its input is the
+        level-0 accumulator, zero at this point in the reference (B1). The reference's branches
+        on norms are device-side selects, so this adds no host sync."""
+        if not self.use_preprocessing or t % self.mlp_train_freq != 0:
+            return
+        selected = select_phase1_tensors(self.base_optimizer.param_groups)
+        if not selected:
+            return
+        cms = self._cms
+        divisor = max(self.cms_frequencies[0], 1)
+        losses = []
+        with torch.enable_grad():
+            for p in selected:
+                i = cms.index[p]
+                if self.fix_reference_bugs:  # B1 corrected: the current (clipped) gradient
+                    g0 = p.grad.detach().float() * self._coef / divisor
+                else:  # B1: A_0 was reset by the last Phase 2, so this is zero
+                    g0 = cms.buffers["accumulated_grad"][0][i].detach().clone() / divisor
+                out = self.momentum_mlp(g0, cms.buffers["momentum"][0][i].detach())
+                losses.append(surrogate_loss(out, g0, self._mlp_output_history.get(i)))
+                self._mlp_output_history[i] = out.detach().clone()
+            total = torch.stack(losses).mean()
+            self.mlp_optimizer.zero_grad()
+            total.backward()
+        # The reference's clip (torch ops, no host sync): the DirectUpdateMLP dynamics amplify a
+        # 1-ulp difference in its weights (spec 7; measured in tests/test_deep_nested_cms.py),
+        # so this training must round exactly as the reference's does.
+        _fused_clip_grad_norm_(self.momentum_mlp.parameters(), META_GRAD_CLIP, inplace=True)
+        self.mlp_optimizer.step()
+        self._last_surrogate_loss = total.detach()
+
+    def _cms_phase2(self, t):
+        """Spec 7.2 Phase 2 for every grouped tensor with a gradient: one tm_cms_step call."""
+        cms = self._cms
+        idx, params, grads, group_of = [], [], [], []
+        for gi, group in enumerate(self.base_optimizer.param_groups):
+            for p in group["params"]:
+                if p.grad is not None:
+                    idx.append(cms.index[p])
+                    params.append(p)
+                    grads.append(p.grad)
+                    group_of.append(gi)
+        if not params:
+            return
+        lists = {name: cms.level_lists(name, idx) for name in
+                 ("momentum", "accumulated_grad", "ema_grad", "v_sq")}
+        net = "direct" if self.use_preprocessing else "legacy"
+        hidden = (min(self.momentum_hidden_dim, DIRECT_MLP_MAX_HIDDEN) if self.use_preprocessing
+                  else self.momentum_hidden_dim)
+        kwargs = exec_kwargs(self.device)
+        scratch = None
+        if self.device.type == "cuda":
+            nbytes = _C.cms_scratch_bytes(params, levels=cms.k, net=net)
+            scratch = self._cms_scratch.get(self.device, nbytes)
+        _C.cms_step(
+            params, grads, lists["momentum"], lists["accumulated_grad"], lists["ema_grad"],
+            lists["v_sq"], [cms.step_counts[i] for i in idx], self._lr, group_of,
+            [w.detach() for w in self.momentum_mlp.parameters()],
+            fires=cms.fires(t), divisors=[float(max(f, 1)) for f in self.cms_frequencies],
+            ema_decays=cms.ema_decays, net=net, hidden=hidden,
+            layers=self.momentum_num_layers, weight_decay=self.weight_decay, t=float(t),
+            base_lr=self.base_lr, loss=self._loss, grad_scale=self._coef, skip=self.skipped,
+            scratch=scratch, **kwargs)
+
+    def _mlp_proxy_loss(self, loss_value, grad_scale):
+        """Spec 9.3 in CMS mode (in AdamW mode every target is zero, so it is 0). No gradient
+        reaches the MLP (B2); the value only enters last_meta_loss."""
+        zero = torch.zeros((), device=self.device, requires_grad=True)
+        if self._cms is None or len(self.meta_trainer.loss_history) < PROXY_WARMUP_ENTRIES:
+            return zero
+        sampled = []
+        for group in self.base_optimizer.param_groups:
+            sampled.extend(p for p in group["params"][:META_SAMPLE_PER_GROUP]
+                           if p.grad is not None)
+        sampled = sampled[:META_SAMPLE_MAX]
+        context = torch.tensor([self.global_step / 1000.0, self.base_lr,
+                                math.log(max(loss_value, 1e-8) + 1.0)],
+                               dtype=torch.float32, device=self.device)
+        losses = []
+        for p in sampled:
+            i = self._cms.index[p]
+            target = self._cms.buffers["ema_grad"][0][i]
+            if target.abs().max() < EMA_TARGET_MIN:  # host sync, meta steps only
+                continue
+            m0 = self._cms.buffers["momentum"][0][i]
+            grad = p.grad if grad_scale is None else p.grad * grad_scale
+            if self.use_preprocessing:
+                pred = self.momentum_mlp(grad, m0)
+            else:
+                a, b, _ = self.momentum_mlp(grad, m0, context)
+                pred = a * m0 + b * grad
+            losses.append(((_tensor_stats(pred) - _tensor_stats(target)) ** 2).sum())
+        if not losses:
+            return zero
+        mlp_loss = torch.stack(losses).mean()
+        if self.meta_trainer.recent_improvement() < IMPROVEMENT_THRESHOLD:
+            mlp_loss = mlp_loss + STAGNATION_CONSTANT
+        return mlp_loss

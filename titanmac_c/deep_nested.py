@@ -47,12 +47,6 @@ from ._reference_dno import (
     N_GROUPS,
     SURROGATE_FREQ,
     SURROGATE_LR,
-    META_SAMPLE_MAX,
-    META_SAMPLE_PER_GROUP,
-    EMA_TARGET_MIN,
-    STAGNATION_CONSTANT,
-    PROXY_WARMUP_ENTRIES,
-    _tensor_stats,
     DirectUpdateMLP,
     L2RegressionMomentum,
     NestedController,
@@ -64,9 +58,9 @@ from ._reference_dno import (
     group_moe_params,
     infer_param_depth,
 )
-from ._cms import CMSState, init_output_on_sign, select_phase1_tensors, surrogate_loss
+from ._dno_graph import GraphState
+from ._cms import CMSModeMixin, CMSState, init_output_on_sign
 from ._runtime import Scratch, exec_kwargs, norms_scratch
-from .functional import clip_grad_norm_
 from .optim import AdamW
 
 
@@ -83,7 +77,7 @@ def _check_float(name, value, low=0.0):
     return value
 
 
-class DeepNestedOptimizer:
+class DeepNestedOptimizer(CMSModeMixin):
     """Drop-in for titans_core.opt.DeepNestedOptimizer (constructor of spec 2.1)."""
 
     def __init__(self, model, base_lr=1e-3, meta_lr=1e-4, k_unroll=5, cms_frequencies=None,
@@ -183,7 +177,7 @@ class DeepNestedOptimizer:
         self._lr = torch.full((N_GROUPS,), self.base_lr, **f32)
         self._coef = torch.ones(1, **f32)
         self.skipped = torch.zeros(1, **f32)  # 1.0 after a step the device-side guards skipped
-        self._graph = _GraphState(self) if use_cuda_graph else None
+        self._graph = GraphState(self) if use_cuda_graph else None
         self.use_cuda_graph = self._graph is not None and self._graph.supported()
 
     # ------------------------------------------------------------------ spec 12, small methods
@@ -346,109 +340,6 @@ class DeepNestedOptimizer:
                 self.base_optimizer._fused_step(lr=self._lr, grad_scale=self._coef,
                                                 skip=self.skipped, zero_grads_on_skip=True)
 
-    # ------------------------------------------------------------------ spec 7, CMS mode
-
-    def _phase1(self, t):
-        """Spec 7.2 Phase 1, every mlp_train_freq steps with DirectUpdateMLP: the surrogate
-        training on the first 20 tensors with a gradient, in torch autograd. Its input is the
-        level-0 accumulator, zero at this point in the reference (B1). The reference's branches
-        on norms are device-side selects, so this adds no host sync."""
-        if not self.use_preprocessing or t % self.mlp_train_freq != 0:
-            return
-        selected = select_phase1_tensors(self.base_optimizer.param_groups)
-        if not selected:
-            return
-        cms = self._cms
-        divisor = max(self.cms_frequencies[0], 1)
-        losses = []
-        with torch.enable_grad():
-            for p in selected:
-                i = cms.index[p]
-                if self.fix_reference_bugs:  # B1 corrected: the current (clipped) gradient
-                    g0 = p.grad.detach().float() * self._coef / divisor
-                else:  # B1: A_0 was reset by the last Phase 2, so this is zero
-                    g0 = cms.buffers["accumulated_grad"][0][i].detach().clone() / divisor
-                out = self.momentum_mlp(g0, cms.buffers["momentum"][0][i].detach())
-                losses.append(surrogate_loss(out, g0, self._mlp_output_history.get(i)))
-                self._mlp_output_history[i] = out.detach().clone()
-            total = torch.stack(losses).mean()
-            self.mlp_optimizer.zero_grad()
-            total.backward()
-        # The reference's clip (torch ops, no host sync): the DirectUpdateMLP dynamics amplify a
-        # 1-ulp difference in its weights (spec 7; measured in tests/test_deep_nested_cms.py),
-        # so this training must round exactly as the reference's does.
-        _fused_clip_grad_norm_(self.momentum_mlp.parameters(), META_GRAD_CLIP, inplace=True)
-        self.mlp_optimizer.step()
-        self._last_surrogate_loss = total.detach()
-
-    def _cms_phase2(self, t):
-        """Spec 7.2 Phase 2 for every grouped tensor with a gradient: one tm_cms_step call."""
-        cms = self._cms
-        idx, params, grads, group_of = [], [], [], []
-        for gi, group in enumerate(self.base_optimizer.param_groups):
-            for p in group["params"]:
-                if p.grad is not None:
-                    idx.append(cms.index[p])
-                    params.append(p)
-                    grads.append(p.grad)
-                    group_of.append(gi)
-        if not params:
-            return
-        lists = {name: cms.level_lists(name, idx) for name in
-                 ("momentum", "accumulated_grad", "ema_grad", "v_sq")}
-        net = "direct" if self.use_preprocessing else "legacy"
-        hidden = (min(self.momentum_hidden_dim, DIRECT_MLP_MAX_HIDDEN) if self.use_preprocessing
-                  else self.momentum_hidden_dim)
-        kwargs = exec_kwargs(self.device)
-        scratch = None
-        if self.device.type == "cuda":
-            nbytes = _C.cms_scratch_bytes(params, levels=cms.k, net=net)
-            scratch = self._cms_scratch.get(self.device, nbytes)
-        _C.cms_step(
-            params, grads, lists["momentum"], lists["accumulated_grad"], lists["ema_grad"],
-            lists["v_sq"], [cms.step_counts[i] for i in idx], self._lr, group_of,
-            [w.detach() for w in self.momentum_mlp.parameters()],
-            fires=cms.fires(t), divisors=[float(max(f, 1)) for f in self.cms_frequencies],
-            ema_decays=cms.ema_decays, net=net, hidden=hidden,
-            layers=self.momentum_num_layers, weight_decay=self.weight_decay, t=float(t),
-            base_lr=self.base_lr, loss=self._loss, grad_scale=self._coef, skip=self.skipped,
-            scratch=scratch, **kwargs)
-
-    def _mlp_proxy_loss(self, loss_value, grad_scale):
-        """Spec 9.3 in CMS mode (in AdamW mode every target is zero, so it is 0). No gradient
-        reaches the MLP (B2); the value only enters last_meta_loss."""
-        zero = torch.zeros((), device=self.device, requires_grad=True)
-        if self._cms is None or len(self.meta_trainer.loss_history) < PROXY_WARMUP_ENTRIES:
-            return zero
-        sampled = []
-        for group in self.base_optimizer.param_groups:
-            sampled.extend(p for p in group["params"][:META_SAMPLE_PER_GROUP]
-                           if p.grad is not None)
-        sampled = sampled[:META_SAMPLE_MAX]
-        context = torch.tensor([self.global_step / 1000.0, self.base_lr,
-                                math.log(max(loss_value, 1e-8) + 1.0)],
-                               dtype=torch.float32, device=self.device)
-        losses = []
-        for p in sampled:
-            i = self._cms.index[p]
-            target = self._cms.buffers["ema_grad"][0][i]
-            if target.abs().max() < EMA_TARGET_MIN:  # host sync, meta steps only
-                continue
-            m0 = self._cms.buffers["momentum"][0][i]
-            grad = p.grad if grad_scale is None else p.grad * grad_scale
-            if self.use_preprocessing:
-                pred = self.momentum_mlp(grad, m0)
-            else:
-                a, b, _ = self.momentum_mlp(grad, m0, context)
-                pred = a * m0 + b * grad
-            losses.append(((_tensor_stats(pred) - _tensor_stats(target)) ** 2).sum())
-        if not losses:
-            return zero
-        mlp_loss = torch.stack(losses).mean()
-        if self.meta_trainer.recent_improvement() < IMPROVEMENT_THRESHOLD:
-            mlp_loss = mlp_loss + STAGNATION_CONSTANT
-        return mlp_loss
-
     # ------------------------------------------------------------------ spec 9, meta-learning
 
     def _group_stats(self, grad_scale=None):
@@ -546,83 +437,3 @@ class DeepNestedOptimizer:
             self._cms.load_state_dict(state_dict.get("cms_state", {}))
         if self._graph is not None:
             self._graph.reset()
-
-
-class _GraphState:
-    """Spec 11, done so that every step applies its update: after `warmup` eager steps, the three
-    C calls of a step are captured in a CUDA graph (one per controller/no-controller step kind)
-    and replayed; the gradients live in static buffers (zero_grad zeroes them in place, and a
-    gradient that was reallocated anyway is copied in), the learning rate scale is a device
-    tensor, and a reload re-captures."""
-
-    def __init__(self, opt):
-        self.opt = opt
-        self.graphs = {}
-        self.static_grads = None
-        self.base_lr = None
-        self.captured = False
-
-    def supported(self):
-        if self.opt.device.type != "cuda" or not _C.cuda_compiled():
-            warnings.warn("use_cuda_graph=True needs CUDA tensors and the CUDA backend; "
-                          "running eagerly")
-            self.opt._graph = None
-            return False
-        return True
-
-    def reset(self):
-        self.graphs = {}
-        self.static_grads = None
-        self.captured = False
-
-    def _bind_grads(self, params):
-        """Make every parameter's .grad the static buffer the graphs read. False when the set of
-        parameters with gradients changed (then this step runs eagerly)."""
-        if self.static_grads is None:
-            self.static_grads = [p.grad for p in params]
-            return all(g is not None for g in self.static_grads)
-        for p, buf in zip(params, self.static_grads):
-            if p.grad is None or p.grad.shape != buf.shape:
-                return False
-            if p.grad is not buf:
-                buf.copy_(p.grad)
-                p.grad = buf
-        return True
-
-    def step(self, t, update):
-        opt = self.opt
-        if t <= opt.cuda_graph_warmup_steps or t == 1:
-            return False
-        if opt._cms is not None and not opt.use_preprocessing:
-            return False  # the legacy network's context holds t itself: eager
-        params = [p for g in opt.base_optimizer.param_groups for p in g["params"]]
-        if not self._bind_grads(params):
-            return False
-        if self.base_lr is None:
-            self.base_lr = torch.empty(1, dtype=torch.float32, device=opt.device)
-        self.base_lr.fill_(opt.base_lr)
-        # One graph per kind of step: controller or not, and (CMS) which levels fire.
-        key = (update,) if opt._cms is None else (update, tuple(opt._cms.fires(t)))
-        if opt._cms is not None:
-            opt._phase1(t)  # autograd training of the MLP: outside the graph, before it
-        with prof.step_range(prof.GRAPH):
-            graph = self.graphs.get(key)
-            if graph is None:
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    self._captured_step(t, update)
-                self.graphs[key] = graph
-                self.captured = True
-            graph.replay()  # capture records without running: replay at once (B8 fixed)
-        return True
-
-    def _captured_step(self, t, update):
-        opt = self.opt
-        opt._run_norms(update)
-        opt._control(t, update, check_loss=True, base_lr=1.0)
-        opt._lr.mul_(self.base_lr)  # base_lr schedules reach the graph through a tensor
-        if opt._cms is not None:
-            opt._cms_phase2(t)
-        else:
-            opt.base_optimizer._fused_step(lr=opt._lr, grad_scale=opt._coef, skip=opt.skipped,
-                                           zero_grads_on_skip=True)

@@ -1,0 +1,94 @@
+"""CUDA-graph mode of the DeepNestedOptimizer (spec section 11, done so that every step applies
+its update): after `cuda_graph_warmup_steps` eager steps, the C calls of a step are captured in a
+CUDA graph, one per kind of step (controller or not; in CMS mode, which levels fire), and
+replayed. The gradients live in static buffers (zero_grad zeroes them in place; a gradient that
+was reallocated anyway is copied in), base_lr reaches the graph through a device tensor, and a
+reload re-captures (B8, B9, B10 fixed). Not yet run on a GPU.
+"""
+
+import warnings
+
+import torch
+
+from . import _C
+from . import _profiling as prof
+
+
+class GraphState:
+    """Spec 11, done so that every step applies its update: after `warmup` eager steps, the three
+    C calls of a step are captured in a CUDA graph (one per controller/no-controller step kind)
+    and replayed; the gradients live in static buffers (zero_grad zeroes them in place, and a
+    gradient that was reallocated anyway is copied in), the learning rate scale is a device
+    tensor, and a reload re-captures."""
+
+    def __init__(self, opt):
+        self.opt = opt
+        self.graphs = {}
+        self.static_grads = None
+        self.base_lr = None
+        self.captured = False
+
+    def supported(self):
+        if self.opt.device.type != "cuda" or not _C.cuda_compiled():
+            warnings.warn("use_cuda_graph=True needs CUDA tensors and the CUDA backend; "
+                          "running eagerly")
+            self.opt._graph = None
+            return False
+        return True
+
+    def reset(self):
+        self.graphs = {}
+        self.static_grads = None
+        self.captured = False
+
+    def _bind_grads(self, params):
+        """Make every parameter's .grad the static buffer the graphs read. False when the set of
+        parameters with gradients changed (then this step runs eagerly)."""
+        if self.static_grads is None:
+            self.static_grads = [p.grad for p in params]
+            return all(g is not None for g in self.static_grads)
+        for p, buf in zip(params, self.static_grads):
+            if p.grad is None or p.grad.shape != buf.shape:
+                return False
+            if p.grad is not buf:
+                buf.copy_(p.grad)
+                p.grad = buf
+        return True
+
+    def step(self, t, update):
+        opt = self.opt
+        if t <= opt.cuda_graph_warmup_steps or t == 1:
+            return False
+        if opt._cms is not None and not opt.use_preprocessing:
+            return False  # the legacy network's context holds t itself: eager
+        params = [p for g in opt.base_optimizer.param_groups for p in g["params"]]
+        if not self._bind_grads(params):
+            return False
+        if self.base_lr is None:
+            self.base_lr = torch.empty(1, dtype=torch.float32, device=opt.device)
+        self.base_lr.fill_(opt.base_lr)
+        # One graph per kind of step: controller or not, and (CMS) which levels fire.
+        key = (update,) if opt._cms is None else (update, tuple(opt._cms.fires(t)))
+        if opt._cms is not None:
+            opt._phase1(t)  # autograd training of the MLP: outside the graph, before it
+        with prof.step_range(prof.GRAPH):
+            graph = self.graphs.get(key)
+            if graph is None:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    self._captured_step(t, update)
+                self.graphs[key] = graph
+                self.captured = True
+            graph.replay()  # capture records without running: replay at once (B8 fixed)
+        return True
+
+    def _captured_step(self, t, update):
+        opt = self.opt
+        opt._run_norms(update)
+        opt._control(t, update, check_loss=True, base_lr=1.0)
+        opt._lr.mul_(self.base_lr)  # base_lr schedules reach the graph through a tensor
+        if opt._cms is not None:
+            opt._cms_phase2(t)
+        else:
+            opt.base_optimizer._fused_step(lr=opt._lr, grad_scale=opt._coef, skip=opt.skipped,
+                                           zero_grads_on_skip=True)
