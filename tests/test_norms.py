@@ -110,3 +110,31 @@ def test_every_instruction_set_gives_the_same_bits():
     for name, out in outputs.items():
         for a, b in zip(base, out):
             assert torch.equal(a, b), f"{name} differs from generic"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bad", [None, math.nan, math.inf])
+@pytest.mark.parametrize("max_norm", [0.0, 0.5, 1e9])
+def test_coefficient_from_the_norm_pass_equals_clip_coef(device, bad, max_norm):
+    """tm_norms can write the clip coefficient in its finishing step; it must be bit for bit what
+    tm_clip_coef computes from the total (NaN included)."""
+    grads, _ = _tensors(device)
+    if bad is not None:
+        grads[2][5] = bad
+    out = torch.empty(3, device=device)
+    _C.norms(grads, None, out[0:1], out[1:2], coef=out[2:3], max_norm=max_norm)
+    separate = torch.empty(1, device=device)
+    _C.clip_coef(out[1:2], max_norm, separate)
+    torch.testing.assert_close(out[2:3], separate, rtol=0, atol=0, equal_nan=True)
+    expected = _reference.clip_coef(out[1].cpu(), max_norm)
+    torch.testing.assert_close(out[2].cpu(), expected, rtol=0, atol=0, equal_nan=True)
+
+
+def test_coefficient_output_is_validated_before_any_write():
+    grads = [torch.randn(10)]
+    out = torch.zeros(3)
+    with pytest.raises(ValueError, match=r"max_norm = -1: must be finite and >= 0"):
+        _C.norms(grads, None, out[0:1], out[1:2], coef=out[2:3], max_norm=-1.0)
+    with pytest.raises(ValueError, match=r"coef: expected float32 with 1 element"):
+        _C.norms(grads, None, out[0:1], out[1:2], coef=torch.zeros(2), max_norm=1.0)
+    assert torch.equal(out, torch.zeros(3))

@@ -47,12 +47,14 @@ def _by_device(tensors):
     return groups
 
 
-def _total_on_device(tensors, norm_type, device):
-    """float32 [2] tensor: [0] = scratch for the group output, [1] = the p-norm of tensors."""
-    out = torch.empty(2, dtype=torch.float32, device=device)
+def _total_on_device(tensors, norm_type, device, max_norm=None):
+    """float32 [3] tensor: [0] the group output (unused), [1] the p-norm of tensors, [2] the
+    clip coefficient for max_norm (when given: written by the same call)."""
+    out = torch.empty(3, dtype=torch.float32, device=device)
+    clip = {} if max_norm is None else dict(coef=out[2:3], max_norm=max_norm)
     scratch = norms_scratch(device, tensors)
     _C.norms(
-        tensors, None, out[0:1], out[1:2], norm_type=norm_type, scratch=scratch,
+        tensors, None, out[0:1], out[1:2], norm_type=norm_type, scratch=scratch, **clip,
         **exec_kwargs(device),
     )
     return out
@@ -112,18 +114,20 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
         return torch.tensor(0.0)
     by_device = _by_device(grads)
     devices = list(by_device)
+    single = len(devices) == 1
     with prof.step_range(prof.STATS):
-        buffers = [_total_on_device(ts, norm_type, dev) for dev, ts in by_device.items()]
+        buffers = [_total_on_device(ts, norm_type, dev, max_norm if single else None)
+                   for dev, ts in by_device.items()]
     total = _combine_totals([b[1] for b in buffers], devices, norm_type)
     if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
         raise RuntimeError(_NONFINITE_MESSAGE.format(norm_type))
     with prof.step_range(prof.CLIP):
         for (device, device_grads), buf in zip(by_device.items(), buffers):
-            # buf[0] held the (unused) group output; reuse it for the coefficient.
-            device_total = buf[1:2] if len(devices) == 1 else total.reshape(1).to(device)
-            coef = buf[0:1]
             kwargs = exec_kwargs(device)
-            _C.clip_coef(device_total, max_norm, coef, stream=kwargs.get("stream"))
+            coef = buf[2:3]
+            if not single:  # the coefficient of the norm over all devices
+                _C.clip_coef(total.reshape(1).to(device), max_norm, coef,
+                             stream=kwargs.get("stream"))
             _C.scale_(device_grads, coef, **kwargs)
     dtype = _result_dtype(grads)
     return total if dtype == torch.float32 else total.to(dtype)

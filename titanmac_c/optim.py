@@ -216,15 +216,17 @@ class AdamW(Optimizer):
         buf = torch.empty(2, dtype=torch.float32, device=device)
         kwargs = exec_kwargs(device)
         if total_norm is None:
+            # One pass; its finishing step also writes the coefficient (one launch on CUDA).
+            group = torch.empty(1, dtype=torch.float32, device=device)
             with prof.step_range(prof.STATS):
-                _C.norms(grads, None, buf[1:2], buf[0:1], norm_type=norm_type,
-                         scratch=norms_scratch(device, grads), **kwargs)
+                _C.norms(grads, None, group, buf[0:1], norm_type=norm_type, coef=buf[1:2],
+                         max_norm=max_norm, scratch=norms_scratch(device, grads), **kwargs)
             total = buf[0:1]
         else:
             total = total_norm.detach().reshape(1)
+            _C.clip_coef(total, max_norm, buf[1:2], stream=kwargs.get("stream"))
         if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
             raise RuntimeError(_NONFINITE_MESSAGE.format(norm_type))
-        _C.clip_coef(total, max_norm, buf[1:2], stream=kwargs.get("stream"))
         self._clip_coef = {device: buf[1:2]}
         return total[0]
 

@@ -20,6 +20,7 @@ enum {
     NORMS_TOTAL_GRAD,
     NORMS_TOTAL_PARAM,
     NORMS_NONFINITE,
+    NORMS_COEF,
     NORMS_ROLES
 };
 
@@ -68,6 +69,7 @@ tm_validate_norms(const tm_tensor_list *grads, const tm_tensor_list *params,
         [NORMS_TOTAL_GRAD] = tm_lone_role(&out->total_grad, "total_grad", TM_ROLE_WRITTEN),
         [NORMS_TOTAL_PARAM] = tm_lone_role(&out->total_param, "total_param", TM_ROLE_WRITTEN),
         [NORMS_NONFINITE] = tm_lone_role(&out->nonfinite, "nonfinite", TM_ROLE_WRITTEN),
+        [NORMS_COEF] = tm_lone_role(&out->coef, "coef", TM_ROLE_WRITTEN),
     };
     const tm_tensor_list *g = &roles[NORMS_GRADS].list;
     const tm_tensor_list *p = &roles[NORMS_PARAMS].list;
@@ -82,6 +84,8 @@ tm_validate_norms(const tm_tensor_list *grads, const tm_tensor_list *params,
              (int)args->num_groups);
     TM_TRY(check_group_of(args->group_of, g->count, args->num_groups));
     TM_TRY(check_norms_outputs(roles, args->num_groups, params != NULL && p->count == g->count));
+    TM_CHECK(!tm_tensor_given(&out->coef) || (isfinite(args->max_norm) && args->max_norm >= 0.0),
+             TM_ERR_VALUE, "max_norm = %g: must be finite and >= 0", args->max_norm);
     return tm_check_scratch(exec, tm_norms_scratch_bytes(grads, params));
 }
 

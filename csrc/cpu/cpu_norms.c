@@ -135,6 +135,11 @@ write_outputs(const norms_ctx *ctx, const tm_norms_args *args, const tm_norms_ou
     double total = combine_all(ctx->grad_part, blocks, ctx->kind);
     combine_groups(ctx, ctx->grad_part, args, out->group_grad.data);
     *(float *)out->total_grad.data = tm_norm_finish(total, ctx->p);
+    if (tm_tensor_given(&out->coef)) {
+        /* from the stored float32 norm, as tm_clip_coef would compute it */
+        *(float *)out->coef.data =
+            tm_clip_coef_elem(*(const float *)out->total_grad.data, (float)args->max_norm);
+    }
     if (tm_tensor_given(&out->nonfinite)) {
         int bad = ctx->flag_part != NULL ? combine_all(ctx->flag_part, blocks, CPU_NORM_L1) != 0.0
                                          : !isfinite(total);

@@ -238,6 +238,8 @@ struct norms_finish_args {
     float *group_out[2]; /* group_grad, group_param (NULL: not wanted) */
     float *total_out[2]; /* total_grad, total_param (NULL: not wanted) */
     float *nonfinite;    /* NULL: not wanted */
+    float *coef;         /* clip coefficient of total_grad; NULL: not wanted */
+    float max_norm;
 };
 
 typedef double finish_cols[TM_FINISH_GROUPS][TM_FINISH_BLOCK];
@@ -314,7 +316,11 @@ norms_finish_kernel(const __grid_constant__ norms_finish_args a)
     for (int k = 0; k < 2; k++) {
         const double v = block_reduce(total[k], op);
         if (threadIdx.x == 0 && a.total_out[k] != NULL) {
-            a.total_out[k][0] = tm_norm_finish(v, a.p);
+            const float norm = tm_norm_finish(v, a.p);
+            a.total_out[k][0] = norm;
+            if (k == 0 && a.coef != NULL) {
+                a.coef[0] = tm_clip_coef_elem(norm, a.max_norm); /* as cuda_clip_coef does */
+            }
         }
     }
     if (threadIdx.x == 0 && a.nonfinite != NULL) {
@@ -381,6 +387,8 @@ cuda_norms(const tm_tensor_list *grads, const tm_tensor_list *params, const tm_n
     fin.total_out[0] = (float *)out->total_grad.data;
     fin.total_out[1] = (float *)out->total_param.data;
     fin.nonfinite = (float *)out->nonfinite.data;
+    fin.coef = (float *)out->coef.data;
+    fin.max_norm = (float)args->max_norm;
     norms_finish_kernel<<<1, TM_FINISH_BLOCK, 0, walk.stream>>>(fin);
     TM_CUDA_CHECK(cudaGetLastError());
     return TM_OK;

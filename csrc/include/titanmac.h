@@ -90,6 +90,7 @@ typedef struct {
     double norm_type;         /* p > 0, or INFINITY for max |x| */
     int32_t num_groups;       /* >= 1 */
     const int32_t *group_of;  /* host array [grads.count], values in [0, num_groups); NULL = all 0 */
+    double max_norm;          /* finite, >= 0; read only when out->coef is wanted */
 } tm_norms_args;
 
 /* Outputs: float32 tensors on the tensors' device, written by the call. A tensor with
@@ -100,6 +101,9 @@ typedef struct {
     tm_tensor total_grad;  /* [1] p-norm over all grads */
     tm_tensor total_param; /* [1] p-norm over all params; optional */
     tm_tensor nonfinite;   /* [1] 1.0f when any grad element is NaN or +-Inf, else 0.0f; optional */
+    tm_tensor coef;        /* [1] the clip coefficient of total_grad, exactly as tm_clip_coef
+                              computes it, written by the same finishing step (one launch fewer
+                              on CUDA); optional */
 } tm_norms_out;
 
 /* Scratch the caller must pass to tm_norms for these lists (0 for none needed). */

@@ -90,16 +90,17 @@ py_norms(PyObject *module, PyObject *args, PyObject *kwargs)
 {
     static char *kwlist[] = {"grads", "params", "group_grad", "total_grad", "group_param",
                              "total_param", "nonfinite", "group_of", "num_groups", "norm_type",
-                             "num_threads", "stream", "scratch", NULL};
+                             "num_threads", "stream", "scratch", "coef", "max_norm", NULL};
     PyObject *grads, *params, *group_grad, *total_grad, *group_param = Py_None;
     PyObject *total_param = Py_None, *nonfinite = Py_None, *group_of = Py_None;
-    PyObject *stream = Py_None, *scratch = Py_None;
-    tm_norms_args a = {.norm_type = 2.0, .num_groups = 1, .group_of = NULL};
+    PyObject *stream = Py_None, *scratch = Py_None, *coef = Py_None;
+    tm_norms_args a = {.norm_type = 2.0, .num_groups = 1, .group_of = NULL, .max_norm = 0.0};
     int num_threads = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOO|$OOOOidiOO:norms", kwlist, &grads, &params,
-                                     &group_grad, &total_grad, &group_param, &total_param,
-                                     &nonfinite, &group_of, &a.num_groups, &a.norm_type,
-                                     &num_threads, &stream, &scratch)) {
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOO|$OOOOidiOOOd:norms", kwlist, &grads,
+                                     &params, &group_grad, &total_grad, &group_param,
+                                     &total_param, &nonfinite, &group_of, &a.num_groups,
+                                     &a.norm_type, &num_threads, &stream, &scratch, &coef,
+                                     &a.max_norm)) {
         return NULL;
     }
     py_batch b;
@@ -116,6 +117,7 @@ py_norms(PyObject *module, PyObject *args, PyObject *kwargs)
         py_import_optional(&b, group_param, "group_param", &out.group_param) < 0 ||
         py_import_optional(&b, total_param, "total_param", &out.total_param) < 0 ||
         py_import_optional(&b, nonfinite, "nonfinite", &out.nonfinite) < 0 ||
+        py_import_optional(&b, coef, "coef", &out.coef) < 0 ||
         py_parse_group_of(&b, group_of, g.count, "grads", &a.group_of) < 0) {
         goto done;
     }
