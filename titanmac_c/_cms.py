@@ -205,16 +205,10 @@ class CMSModeMixin:
     def _cms_phase2(self, t):
         """Spec 7.2 Phase 2 for every grouped tensor with a gradient: one tm_cms_step call."""
         cms = self._cms
-        idx, params, grads, group_of = [], [], [], []
-        for gi, group in enumerate(self.base_optimizer.param_groups):
-            for p in group["params"]:
-                if p.grad is not None:
-                    idx.append(cms.index[p])
-                    params.append(p)
-                    grads.append(p.grad)
-                    group_of.append(gi)
+        grads, params, group_of = self._gather(with_params=True)
         if not params:
             return
+        idx = [cms.index[p] for p in params]
         lists = {name: cms.level_lists(name, idx) for name in
                  ("momentum", "accumulated_grad", "ema_grad", "v_sq")}
         net = "direct" if self.use_preprocessing else "legacy"

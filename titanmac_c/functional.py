@@ -39,6 +39,13 @@ def _check_norm_type(norm_type) -> float:
     return norm_type
 
 
+def _check_max_norm(max_norm) -> float:
+    max_norm = float(max_norm)
+    if not (math.isfinite(max_norm) and max_norm >= 0.0):
+        raise ValueError(f"max_norm = {max_norm}: must be finite and >= 0")
+    return max_norm
+
+
 def _by_device(tensors):
     """Tensors grouped by device, in first-seen order."""
     groups = {}
@@ -106,9 +113,7 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
     del foreach
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     grads = [p.grad for p in params if p.grad is not None]
-    max_norm = float(max_norm)
-    if not (math.isfinite(max_norm) and max_norm >= 0.0):
-        raise ValueError(f"max_norm = {max_norm}: must be finite and >= 0")
+    max_norm = _check_max_norm(max_norm)
     norm_type = _check_norm_type(norm_type)
     if len(grads) == 0:
         return torch.tensor(0.0)

@@ -198,11 +198,9 @@ class AdamW(Optimizer):
         then no pass over the gradients is made here. The gradients themselves are not
         modified. zero_grad() forgets a pending coefficient.
         """
-        from .functional import _NONFINITE_MESSAGE, _check_norm_type
+        from .functional import _NONFINITE_MESSAGE, _check_max_norm, _check_norm_type
 
-        max_norm = float(max_norm)
-        if not (math.isfinite(max_norm) and max_norm >= 0.0):
-            raise ValueError(f"max_norm = {max_norm}: must be finite and >= 0")
+        max_norm = _check_max_norm(max_norm)
         norm_type = _check_norm_type(norm_type)
         grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
         devices = {g.device for g in grads}

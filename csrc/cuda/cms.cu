@@ -221,29 +221,31 @@ cms_apply_kernel(const __grid_constant__ cms_meta meta, const __grid_constant__ 
 
 /* ---------------------------------------------------------------- launchers ---- */
 
+/* Every element pass runs on the same grid: one block per (chunk, slice of the chunk). */
+template <typename Kernel>
+static tm_status
+launch_element_pass(Kernel kernel, const cms_meta &meta, const cms_params &p, cudaStream_t stream)
+{
+    const dim3 grid(meta.t.num_chunks, TM_CMS_SPLIT);
+    kernel<<<grid, TM_CMS_BLOCK, 0, stream>>>(meta, p);
+    TM_CUDA_CHECK(cudaGetLastError());
+    return TM_OK;
+}
+
 tm_status
 cms_launch_stats(const cms_meta &meta, const cms_params &p, cudaStream_t stream)
 {
-    const dim3 grid(meta.t.num_chunks, TM_CMS_SPLIT);
-    cms_stats_kernel<<<grid, TM_CMS_BLOCK, 0, stream>>>(meta, p);
-    TM_CUDA_CHECK(cudaGetLastError());
-    return TM_OK;
+    return launch_element_pass(cms_stats_kernel, meta, p, stream);
 }
 
 tm_status
 cms_launch_update(const cms_meta &meta, const cms_params &p, cudaStream_t stream)
 {
-    const dim3 grid(meta.t.num_chunks, TM_CMS_SPLIT);
-    cms_update_kernel<<<grid, TM_CMS_BLOCK, 0, stream>>>(meta, p);
-    TM_CUDA_CHECK(cudaGetLastError());
-    return TM_OK;
+    return launch_element_pass(cms_update_kernel, meta, p, stream);
 }
 
 tm_status
 cms_launch_apply(const cms_meta &meta, const cms_params &p, cudaStream_t stream)
 {
-    const dim3 grid(meta.t.num_chunks, TM_CMS_SPLIT);
-    cms_apply_kernel<<<grid, TM_CMS_BLOCK, 0, stream>>>(meta, p);
-    TM_CUDA_CHECK(cudaGetLastError());
-    return TM_OK;
+    return launch_element_pass(cms_apply_kernel, meta, p, stream);
 }
