@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import titanmac_c
-from conftest import DEVICES, SIZES, TOL, clone_params, make_params, set_grads
+from conftest import DEVICES, SIZES, clone_params, make_params, set_grads, tol
 
 STEPS = 20
 
@@ -55,7 +55,7 @@ def test_parity_fp32_groups(device, amsgrad, maximize):
     ours = titanmac_c.AdamW(groups_of(params_a, lrs, wds, betas), **kw)
     theirs = torch.optim.AdamW(groups_of(params_b, lrs, wds, betas), **kw)
     run_pair(ours, theirs, params_a, params_b)
-    assert_state_close(ours, theirs, params_a, params_b, TOL[torch.float32])
+    assert_state_close(ours, theirs, params_a, params_b, tol(torch.float32, device))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -67,7 +67,7 @@ def test_parity_tensor_lr_and_scheduler(device):
     theirs = torch.optim.AdamW(params_b, lr=lr.clone(), weight_decay=0.05)
     scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=5, gamma=0.5) for o in (ours, theirs)]
     run_pair(ours, theirs, params_a, params_b, steps=25, sched=scheds)
-    assert_state_close(ours, theirs, params_a, params_b, TOL[torch.float32])
+    assert_state_close(ours, theirs, params_a, params_b, tol(torch.float32, device))
     assert float(ours.param_groups[0]["lr"]) == pytest.approx(2e-3 * 0.5 ** 5)
 
 
@@ -79,7 +79,7 @@ def test_parity_float_lr_cosine_schedule(device):
     theirs = torch.optim.AdamW(params_b, lr=1e-2)
     scheds = [torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=20) for o in (ours, theirs)]
     run_pair(ours, theirs, params_a, params_b, steps=22, sched=scheds)
-    assert_state_close(ours, theirs, params_a, params_b, TOL[torch.float32])
+    assert_state_close(ours, theirs, params_a, params_b, tol(torch.float32, device))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -94,7 +94,7 @@ def test_parity_low_precision(device, dtype, amsgrad):
     ours = titanmac_c.AdamW(params_a, **kw)
     theirs = torch.optim.AdamW(params_b, fused=True, **kw)
     run_pair(ours, theirs, params_a, params_b)
-    assert_state_close(ours, theirs, params_a, params_b, TOL[dtype])
+    assert_state_close(ours, theirs, params_a, params_b, tol(dtype, device))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -107,7 +107,7 @@ def test_mixed_dtypes_in_one_optimizer(device):
     theirs = torch.optim.AdamW(params_b, lr=1e-2, fused=True)
     run_pair(ours, theirs, params_a, params_b, steps=10)
     for pa, pb in zip(params_a, params_b):
-        torch.testing.assert_close(pa.detach(), pb.detach(), **TOL[pa.dtype])
+        torch.testing.assert_close(pa.detach(), pb.detach(), **tol(pa.dtype, device))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -124,7 +124,7 @@ def test_what_torch_accepts_zero_size_no_grad_empty_group(device):
         set_grads(params_a, params_b, step)  # extra_* never gets a gradient
         ours.step()
         theirs.step()
-    assert_state_close(ours, theirs, params_a, params_b, TOL[torch.float32])
+    assert_state_close(ours, theirs, params_a, params_b, tol(torch.float32, device))
     assert extra_a not in ours.state and extra_b not in theirs.state
     assert torch.equal(extra_a, extra_b)
 
@@ -143,7 +143,7 @@ def test_some_grads_none_some_steps(device):
             params_b[1].grad = None
         ours.step()
         theirs.step()
-    assert_state_close(ours, theirs, params_a, params_b, TOL[torch.float32])
+    assert_state_close(ours, theirs, params_a, params_b, tol(torch.float32, device))
 
 
 def test_closure_returns_loss():

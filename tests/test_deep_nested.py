@@ -5,7 +5,9 @@ an injected NaN loss and an injected Inf gradient.
 Tolerance (fp32): the C core computes norms in double, the controller MLP in its own summation
 order and the learning rate base_lr * mu in float32, where the reference uses torch's float
 reductions and a Python float; these differences are a few ulps per step and stay below
-PARAM_TOL (relative) over 300 steps.
+PARAM_TOL (relative) over 300 steps. On CUDA the reference's AdamW is torch's foreach kernel,
+which contracts products into FMAs where ours rounds each (as on the CPU): an exp_avg element that
+cancels to ~1e-6 then differs by a few 1e-8, hence a larger absolute floor there.
 """
 
 import copy
@@ -59,7 +61,8 @@ def _compare_state(ref, ours, model_ref, model_ours, step):
         sr, so = ref.base_optimizer.state.get(pr), ours.base_optimizer.state.get(po)
         if sr:
             assert float(so["step"]) == float(sr["step"]), (step, name)
-            for key, atol in (("exp_avg", 1e-7), ("exp_avg_sq", 1e-11)):
+            cuda = po.device.type == "cuda"
+            for key, atol in (("exp_avg", 5e-7 if cuda else 1e-7), ("exp_avg_sq", 1e-11)):
                 torch.testing.assert_close(so[key], sr[key], rtol=2e-4, atol=atol,
                                            msg=lambda m: f"step {step} {name} {key}: {m}")
     torch.testing.assert_close(ours.get_lr_multipliers(), ref.get_lr_multipliers(), **MULT_TOL)

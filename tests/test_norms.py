@@ -50,7 +50,7 @@ def test_grads_only_and_empty(device):
     grads, _ = _tensors(device)
     ours = titanmac_c.group_norms(grads)
     assert ours.param is None and ours.total_param is None
-    ref = torch.linalg.vector_norm(torch.cat([g.flatten().double() for g in grads]))
+    ref = torch.linalg.vector_norm(torch.cat([g.flatten().double().cpu() for g in grads]))
     torch.testing.assert_close(ours.total_grad.cpu().double(), ref, rtol=1e-6, atol=0)
     zero = titanmac_c.group_norms([torch.zeros(0, device=device)])
     assert float(zero.total_grad) == 0.0 and float(zero.nonfinite) == 0.0
@@ -122,7 +122,8 @@ def test_coefficient_from_the_norm_pass_equals_clip_coef(device, bad, max_norm):
     if bad is not None:
         grads[2][5] = bad
     out = torch.empty(3, device=device)
-    _C.norms(grads, None, out[0:1], out[1:2], coef=out[2:3], max_norm=max_norm)
+    scratch = torch.empty(_C.norms_scratch_bytes(grads), dtype=torch.uint8, device=device)
+    _C.norms(grads, None, out[0:1], out[1:2], coef=out[2:3], max_norm=max_norm, scratch=scratch)
     separate = torch.empty(1, device=device)
     _C.clip_coef(out[1:2], max_norm, separate)
     torch.testing.assert_close(out[2:3], separate, rtol=0, atol=0, equal_nan=True)

@@ -15,8 +15,9 @@ from .functional import GroupNorms
 
 
 def _reduce(t: torch.Tensor, p: float) -> torch.Tensor:
-    """sum |t|^p (or max |t| for p = inf) in float64."""
-    a = t.detach().double().abs().flatten()
+    """sum |t|^p (or max |t| for p = inf) in float64, on the CPU (the spec's results live there,
+    whatever the inputs' device)."""
+    a = t.detach().cpu().double().abs().flatten()
     if math.isinf(p):
         if a.numel() == 0:
             return torch.zeros((), dtype=torch.float64)
