@@ -33,7 +33,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 
 step build env TITANMAC_WITH_CUDA=1 python3 -m pip install --no-build-isolation --no-deps -q .
-step tests python3 -P -m pytest -q -rs tests
+step tests python3 -P -m pytest -q -rfEs tests
 SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 # The sanitizers run the CUDA-parametrized tests only (the CPU ones do not touch the GPU), less
 # the long parity runs (hundreds of steps of the same kernels; 10-100x slower under a sanitizer).
