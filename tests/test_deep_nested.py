@@ -23,6 +23,7 @@ from conftest import DEVICES
 from dno_models import loss_fn, make_mlp_10_32_5, make_titanmac_like_model, synthetic_batches
 
 PARAM_TOL = dict(rtol=2e-4, atol=2e-6)
+PARAM_TOL_CUDA = dict(rtol=2e-4, atol=1e-5)  # 300 steps against torch's FMA-contracted AdamW
 MULT_TOL = dict(rtol=1e-5, atol=1e-6)
 NAN_LOSS_STEP, INF_GRAD_STEP = 7, 13
 
@@ -56,7 +57,8 @@ def _one_step(model, opt, batch, step, tensor_loss=False):
 
 def _compare_state(ref, ours, model_ref, model_ours, step):
     for (name, pr), po in zip(model_ref.named_parameters(), model_ours.parameters()):
-        torch.testing.assert_close(po.detach(), pr.detach(), **PARAM_TOL,
+        torch.testing.assert_close(po.detach(), pr.detach(),
+                                   **(PARAM_TOL_CUDA if po.device.type == "cuda" else PARAM_TOL),
                                    msg=lambda m: f"step {step} {name}: {m}")
         sr, so = ref.base_optimizer.state.get(pr), ours.base_optimizer.state.get(po)
         if sr:

@@ -50,6 +50,19 @@ cms_warp_tensor(const cms_meta &meta, const cms_params &p, int32_t *s, int64_t *
     return true;
 }
 
+/* One (tensor, level) of the legacy network, lane 0 of the warp: stats -> network -> (a, b, 1 - d).
+ * Not inlined, and fed plain pointers (weights copied out of the kernel parameters): inlined
+ * into the kernel, the first GPU run computed NaN coefficients (right ones once a printf was
+ * added beside the call), so the network runs behind a call boundary as it did then. */
+static __device__ __noinline__ void
+cms_legacy_level(tm_cms_level_out *o, const double *v, float km, float kg, int64_t numel,
+                 const float *const *w, int32_t hidden, int32_t layers, float *in, float *act)
+{
+    tm_cms_stats(v, km, numel, in);
+    tm_cms_stats(v + 3, kg, numel, in + 3);
+    tm_cms_legacy_coeffs(o, w, hidden, layers, in, act);
+}
+
 __global__ void __launch_bounds__(32 * TM_CMS_WARPS)
 cms_coeffs_kernel(const __grid_constant__ cms_meta meta, const __grid_constant__ cms_params p)
 {
@@ -58,11 +71,25 @@ cms_coeffs_kernel(const __grid_constant__ cms_meta meta, const __grid_constant__
     if (cms_skipped(p) || !cms_warp_tensor(meta, p, &s, &c0, &c1)) {
         return; /* uniform per warp */
     }
+    /* The network's input and activations per warp in shared memory, not in a 2 KB per-thread
+     * local array: the first GPU run computed NaN coefficients with the local array (and right
+     * ones once a printf changed the code), so nothing of it stays on the stack. */
+    __shared__ float s_in[TM_CMS_WARPS][TM_CMS_LEGACY_IN];
+    __shared__ float s_act[TM_CMS_WARPS][2 * TM_CMS_LEGACY_MAX_HIDDEN];
+    __shared__ const float *s_w[TM_CMS_WARPS][2 * TM_CMS_MAX_LAYERS + 3];
     const int64_t numel = meta.t.numel[s];
     const float scale = p.grad_scale != NULL ? p.grad_scale[0] : 1.0f;
-    float in[TM_CMS_LEGACY_IN];
-    float act[2 * TM_CMS_LEGACY_MAX_HIDDEN];
-    tm_cms_context(in + 6, p.t, p.base_lr, p.loss[0]);
+    float *in = s_in[threadIdx.x >> 5];
+    float *act = s_act[threadIdx.x >> 5];
+    const float **w = s_w[threadIdx.x >> 5];
+    if ((threadIdx.x & 31) == 0) {
+        tm_cms_context(in + 6, p.t, p.base_lr, p.loss[0]);
+#pragma unroll
+        for (int k = 0; k < 2 * TM_CMS_MAX_LAYERS + 3; k++) {
+            w[k] = p.w[k];
+        }
+    }
+    __syncwarp();
     for (int l = 0; l < p.c.levels; l++) {
         double v[TM_CMS_LEGACY_PARTS - 1];
         if (!(p.c.fires >> l & 1u)) {
@@ -76,11 +103,10 @@ cms_coeffs_kernel(const __grid_constant__ cms_meta meta, const __grid_constant__
             const float kg = numel > 0 ? tm_cms_level_grad(acc[0], cms_grad(meta, s, 0, scale),
                                                            p.c.div[l])
                                        : 0.0f;
-            tm_cms_stats(v, km, numel, in);
-            tm_cms_stats(v + 3, kg, numel, in + 3);
-            tm_cms_legacy_coeffs(&p.lv[(int64_t)meta.index[s] * p.c.levels + l], p.w, p.hidden,
-                                 p.layers, in, act);
+            cms_legacy_level(&p.lv[(int64_t)meta.index[s] * p.c.levels + l], v, km, kg, numel,
+                             w, p.hidden, p.layers, in, act);
         }
+        __syncwarp(); /* the next level's shuffles start from a converged warp */
     }
 }
 
