@@ -103,6 +103,11 @@ def _compare(ref, ours, model_ref, model_ours, step):
 @pytest.mark.parametrize("freqs", [[1, 10, 100], [1, 5, 50]], ids=["f1-10-100", "f1-5-50"])
 @pytest.mark.parametrize("wd", [0.0, 0.01], ids=["wd0", "wd0.01"])
 def test_cms_parity_250_steps(device, preprocessing, freqs, wd):
+    if device == "cuda" and not preprocessing:
+        # refused until its kernel passes test_cms_op on a GPU (see DeepNestedOptimizer)
+        with pytest.raises(NotImplementedError, match="legacy"):
+            _pair(device, cms_frequencies=freqs, use_preprocessing=False, weight_decay=wd)
+        return
     steps = 250
     (model_r, ref), (model_o, ours) = _pair(
         device, cms_frequencies=freqs, use_preprocessing=preprocessing, weight_decay=wd,
