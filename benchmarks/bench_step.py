@@ -14,7 +14,8 @@ fraction of a device copy (8 B/element) measured in the same run. On CUDA it als
 time per step (enqueueing, no sync) and kernel launches per step (torch.profiler).
 
 Shape sets: CPU 1M / 10M / 50M parameters in 50 / 200 / 500 tensors; CUDA the TitanMAC config
-(3.2M in 48 tensors), GPT-2 small (124M in 148 tensors) and a 1B model (16 layers of width 2048).
+(3.2M in 48 tensors), GPT-2 small (124M in 148 tensors), a 1B model (16 layers of width 2048) and
+1000t (10M in 1,000 tensors, for the host time per tensor).
 
 Usage: python benchmarks/bench_step.py [--device cpu|cuda] [--sizes ...] [--reps N]
                                        [--out benchmarks/out/bench_step.json]
@@ -32,7 +33,8 @@ import torch
 
 import titanmac_c
 
-SHAPES = {"1M": (1_000_000, 50), "10M": (10_000_000, 200), "50M": (50_000_000, 500)}
+SHAPES = {"1M": (1_000_000, 50), "10M": (10_000_000, 200), "50M": (50_000_000, 500),
+          "1000t": (10_000_000, 1000)}  # many tensors: the host time of a 1,000-tensor step
 
 
 def _transformer_sizes(vocab, ctx, width, layers, ffn, biases=True):
@@ -174,15 +176,19 @@ def variants_for(device):
             + [("clip+adamw", k) for k in ("titanmac_c", "torch_fused")])
 
 
-def host_time_and_launches(fn, device):
-    """CUDA: seconds to enqueue one step (no sync) and kernel launches in it."""
+def host_time_and_launches(fn, device, reps=21):
+    """CUDA: seconds to enqueue one step (no sync; median of reps, each from an idle device) and
+    kernel launches in it."""
     if device.type != "cuda":
         return None, None
+    hosts = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        hosts.append(time.perf_counter() - t0)
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    host = time.perf_counter() - t0
-    torch.cuda.synchronize()
+    host = statistics.median(hosts)
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:
         fn()
@@ -245,15 +251,15 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--sizes", default=None,
-                        help="shape sets: 1M,10M,50M (CPU default), titanmac,gpt2,1b (CUDA "
-                             "default)")
+                        help="shape sets: 1M,10M,50M (CPU default), titanmac,gpt2,1b,1000t "
+                             "(CUDA default)")
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--out", default=os.path.join("benchmarks", "out", "bench_step.json"))
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     timer = Timer(device)
     rows = []
-    sizes = args.sizes or ("titanmac,gpt2,1b" if device.type == "cuda" else "1M,10M,50M")
+    sizes = args.sizes or ("titanmac,gpt2,1b,1000t" if device.type == "cuda" else "1M,10M,50M")
     for name in sizes.split(","):
         print(f"[bench_step] {name} ...", file=sys.stderr, flush=True)
         rows.extend(bench_shape(name, device, args.reps, timer))

@@ -56,7 +56,8 @@ def train(kind, device, steps, warmup, batches, mode="adamw"):
     torch.manual_seed(0)
     model = make_titanmac_like_model(seed=0).to(device)
     cls = ReferenceDeepNestedOptimizer if kind == "reference" else titanmac_c.DeepNestedOptimizer
-    opt = cls(model, use_cms_updates=(mode == "cms"), **OPT_KW)
+    graph = dict(use_cuda_graph=True) if kind == "titanmac_c_graph" else {}
+    opt = cls(model, use_cms_updates=(mode == "cms"), **OPT_KW, **graph)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     opt_times, losses = [], []
@@ -114,11 +115,15 @@ def launches_and_syncs(run, device, batch):
     return launches, syncs
 
 
+# titanmac_c_graph: use_cuda_graph=True, the whole step replayed as one CUDA graph (CUDA only).
+IMPLS = ("reference", "titanmac_c", "titanmac_c_graph")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--mode", choices=("adamw", "cms"), default="adamw")
-    parser.add_argument("--only", choices=("reference", "titanmac_c"), help=argparse.SUPPRESS)
+    parser.add_argument("--only", choices=IMPLS, help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--out", default=os.path.join("benchmarks", "out", "bench_train.json"))
@@ -131,7 +136,7 @@ def main(argv=None):
         print(json.dumps({k: v for k, v in run.items() if k not in ("model", "opt")}))
         return
     rows = []
-    for kind in ("reference", "titanmac_c"):
+    for kind in IMPLS if device.type == "cuda" else IMPLS[:2]:
         print(f"[bench_train] {kind}, {args.mode} mode, on {device} ...", file=sys.stderr,
               flush=True)
         child = subprocess.run(
@@ -139,15 +144,16 @@ def main(argv=None):
              "--mode", args.mode, "--steps", str(args.steps), "--warmup", str(args.warmup)],
             capture_output=True, text=True, check=True)
         rows.append(json.loads(child.stdout.strip().splitlines()[-1]))
-    ref, ours = rows
-    print(f"{'impl':>11} {'steps/s':>8} {'opt ms/step':>12} {'launches':>9} {'syncs':>6} "
+    ref = rows[0]
+    print(f"{'impl':>16} {'steps/s':>8} {'opt ms/step':>12} {'launches':>9} {'syncs':>6} "
           f"{'state MB':>9} {'peak MB':>8} {'final loss':>11}")
     for r in rows:
-        print(f"{r['impl']:>11} {r['steps_per_s']:>8.2f} {r['opt_ms']:>12.3f} "
+        print(f"{r['impl']:>16} {r['steps_per_s']:>8.2f} {r['opt_ms']:>12.3f} "
               f"{str(r['launches']):>9} {str(r['syncs']):>6} {r['state_mb']:>9.1f} "
               f"{r['peak_mb']:>8.1f} {r['final_loss']:>11.5f}")
-    print(f"optimizer step speed-up: {ref['opt_ms'] / ours['opt_ms']:.1f}x; "
-          f"training speed-up: {ours['steps_per_s'] / ref['steps_per_s']:.2f}x")
+    for ours in rows[1:]:
+        print(f"{ours['impl']}: optimizer step speed-up {ref['opt_ms'] / ours['opt_ms']:.1f}x; "
+              f"training speed-up {ours['steps_per_s'] / ref['steps_per_s']:.2f}x")
     meta = dict(device=str(device), torch=torch.__version__, titanmac_c=titanmac_c.__version__,
                 threads=torch.get_num_threads(), steps=args.steps, mode=args.mode,
                 options=OPT_KW,
