@@ -1,5 +1,7 @@
 """titanmac_c.AdamW against torch.optim.AdamW, element by element, over 20+ steps."""
 
+import copy
+
 import pytest
 import torch
 
@@ -170,3 +172,57 @@ def test_fp32_mostly_bitwise_equal_to_torch():
     run_pair(ours, theirs, params_a, params_b, steps=5)
     same = (params_a[0].detach() == params_b[0].detach()).float().mean().item()
     assert same > 0.9, f"only {same:.3f} of the elements are bitwise equal"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_steps_follow_changes_to_groups_and_state(device):
+    """step() keeps its flat lists between steps (AdamW._Plan) and re-reads only the gradients;
+    a parameter replaced inside a group list, a new group, a missing gradient, a reloaded state
+    and a clip must each take effect exactly as in torch."""
+    params_a = make_params([10, 20, 30], device, misaligned=False)
+    params_b = clone_params(params_a)
+    ours = titanmac_c.AdamW(params_a, lr=1e-2, weight_decay=0.01)
+    theirs = torch.optim.AdamW(params_b, lr=1e-2, weight_decay=0.01)
+    run_pair(ours, theirs, params_a, params_b, steps=3)
+    assert ours._plan is not None  # the steady state runs through the plan
+
+    # the same list object, one element replaced (same length)
+    new_a = torch.nn.Parameter(torch.randn(20, device=device))
+    new_b = torch.nn.Parameter(new_a.detach().clone())
+    ours.state.pop(params_a[1])  # the old parameter's state goes too (else torch's
+    theirs.state.pop(params_b[1])  # state_dict() cannot map it)
+    ours.param_groups[0]["params"][1] = params_a[1] = new_a
+    theirs.param_groups[0]["params"][1] = params_b[1] = new_b
+    run_pair(ours, theirs, params_a, params_b, steps=3)
+    assert new_a in ours.state and float(ours.state[new_a]["step"]) == 3.0
+
+    extra_a = torch.nn.Parameter(torch.randn(7, device=device))
+    extra_b = torch.nn.Parameter(extra_a.detach().clone())
+    ours.add_param_group({"params": [extra_a], "lr": 3e-3})
+    theirs.add_param_group({"params": [extra_b], "lr": 3e-3})
+    params_a.append(extra_a)
+    params_b.append(extra_b)
+    run_pair(ours, theirs, params_a, params_b, steps=2)
+
+    set_grads(params_a, params_b, 50)
+    params_a[0].grad = params_b[0].grad = None  # this parameter must not move
+    before = params_a[0].detach().clone()
+    ours.step()
+    theirs.step()
+    assert torch.equal(params_a[0].detach(), before)
+
+    saved = copy.deepcopy(theirs.state_dict())
+    run_pair(ours, theirs, params_a, params_b, steps=2)
+    ours.load_state_dict(copy.deepcopy(saved))  # each its own tensors: torch's loader keeps
+    theirs.load_state_dict(saved)               # the given ones when device and dtype match
+    for pa, pb in zip(params_a, params_b):
+        with torch.no_grad():
+            pa.copy_(pb)
+    run_pair(ours, theirs, params_a, params_b, steps=2)
+
+    set_grads(params_a, params_b, 60, 10.0)
+    ours.clip_grad_norm_(1.0)
+    torch.nn.utils.clip_grad_norm_(params_b, 1.0)
+    ours.step()
+    theirs.step()
+    assert_state_close(ours, theirs, params_a, params_b, tol(torch.float32, device))

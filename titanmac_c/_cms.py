@@ -205,7 +205,7 @@ class CMSModeMixin:
     def _cms_phase2(self, t):
         """Spec 7.2 Phase 2 for every grouped tensor with a gradient: one tm_cms_step call."""
         cms = self._cms
-        grads, params, group_of = self._gather(with_params=True)
+        grads, params, group_of, _ = self._gather(with_params=True)
         if not params:
             return
         idx = [cms.index[p] for p in params]

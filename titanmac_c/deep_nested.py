@@ -271,7 +271,13 @@ class DeepNestedOptimizer(CMSModeMixin):
         return float(loss)
 
     def _gather(self, with_params):
-        """Grads (and params) of the grouped tensors that have a gradient, with group indices."""
+        """Grads (and params) of the grouped tensors that have a gradient, with group indices;
+        and whether every grouped tensor has one. In the steady state AdamW's cached plan has
+        these lists already (read-only)."""
+        flat = self.base_optimizer._planned_flat()
+        if flat is not None:
+            grads, params, group_of = flat
+            return grads, (params if with_params else None), group_of, True
         grads, params, group_of = [], [], []
         for gi, group in enumerate(self.base_optimizer.param_groups):
             for p in group["params"]:
@@ -279,7 +285,7 @@ class DeepNestedOptimizer(CMSModeMixin):
                     grads.append(p.grad)
                     params.append(p)
                     group_of.append(gi)
-        return grads, (params if with_params else None), group_of
+        return grads, (params if with_params else None), group_of, False
 
     def _run_norms(self, update):
         """tm_norms into self._norms: group grad norms, group param norms (controller steps),
@@ -287,7 +293,7 @@ class DeepNestedOptimizer(CMSModeMixin):
         norm (spec 3), through a second pass over just those."""
         g = N_GROUPS
         norms = self._norms
-        grads, params, group_of = self._gather(update)
+        grads, params, group_of, complete = self._gather(update)
         if not grads:
             norms.zero_()
         else:
@@ -295,8 +301,9 @@ class DeepNestedOptimizer(CMSModeMixin):
                       num_groups=g, scratch=norms_scratch(self.device, grads, params))
             _C.norms(grads, params, norms[0:g], norms[2 * g:], **kw, **exec_kwargs(self.device))
         if update:
-            missing = [(gi, p) for gi, grp in enumerate(self.base_optimizer.param_groups)
-                       for p in grp["params"] if p.grad is None]
+            missing = [] if complete else [
+                (gi, p) for gi, grp in enumerate(self.base_optimizer.param_groups)
+                for p in grp["params"] if p.grad is None]
             if missing or not grads:
                 extra = self._param_norms_without_grads(missing)
                 norms[g:2 * g] = torch.sqrt(norms[g:2 * g] ** 2 * bool(grads) + extra ** 2)
@@ -318,13 +325,25 @@ class DeepNestedOptimizer(CMSModeMixin):
             return grad_norms, param_norms
         return torch.log1p(grad_norms) / 10.0, torch.log1p(param_norms) / 10.0
 
+    def _controller_weights(self):
+        """Detached views of the controller's weights, rebuilt only when the module was replaced
+        or a weight's storage moved (meta-updates and load_state_dict write in place)."""
+        cached = self.__dict__.get("_controller_views")
+        if cached is None or cached[0] is not self.controller:
+            cached = (self.controller, list(self.controller.parameters()), None)
+        module, params, views = cached
+        if views is None or any(v.data_ptr() != p.data_ptr() for v, p in zip(views, params)):
+            views = [p.detach() for p in params]
+        self._controller_views = (module, params, views)
+        return views
+
     def _control(self, t, update, check_loss, base_lr=None):
         g = N_GROUPS
         n = self._norms
         grad_in, param_in = self._controller_inputs(n[0:g], n[g:2 * g])
         _C.dno_control(
             grad_in, param_in, n[2 * g:], self.group_depths, self._loss,
-            [w.detach() for w in self.controller.parameters()], self._lr_multipliers,
+            self._controller_weights(), self._lr_multipliers,
             self.ema_loss, self._lr, self._coef, self.skipped,
             hidden=self.controller_hidden_dim, layers=self.controller_num_layers,
             update_controller=update, first_step=(t == 1), check_loss=check_loss,

@@ -7,7 +7,9 @@ State per parameter: "step" (float32 0-d tensor on the parameter's device), "exp
 "exp_avg_sq" and, with amsgrad, "max_exp_avg_sq" (all in the parameter's dtype).
 """
 
+import functools
 import math
+import operator
 
 import torch
 from torch import Tensor
@@ -45,6 +47,40 @@ class _Batch:
         self.params, self.grads, self.exp_avgs, self.exp_avg_sqs = [], [], [], []
         self.max_exp_avg_sqs, self.steps, self.group_of = [], [], []
         self.names = []  # "param_groups[g]['params'][j]" of each flat entry
+
+
+class _Plan:
+    """The flat lists of a steady-state step, kept between steps: one device, every parameter
+    with a gradient and a state. step() then re-reads the gradients and the state tensors (either
+    may have been replaced) with C-level maps instead of _collect's per-tensor Python work, most
+    of the host time of a step over many small tensors. Valid while the groups hold the same
+    parameter objects (checked by identity every step) and the state dict is the one it was
+    built from."""
+
+    def __init__(self, optimizer, batch):
+        self.batch = batch
+        self.state = optimizer.state
+        self.n_state = len(optimizer.state)
+        self.groups = [(g, g["params"], list(g["params"]), bool(g["amsgrad"]))
+                       for g in optimizer.param_groups]
+
+    def matches(self, optimizer):
+        groups = optimizer.param_groups
+        if (optimizer.state is not self.state or len(self.state) != self.n_state
+                or len(groups) != len(self.groups)):
+            return False
+        for group, (built, listed, params, amsgrad) in zip(groups, self.groups):
+            current = group["params"]
+            if (group is not built or current is not listed or len(current) != len(params)
+                    or bool(group["amsgrad"]) != amsgrad
+                    or not all(map(operator.is_, current, params))):
+                return False
+        return True
+
+
+_IS_NONE = functools.partial(operator.is_, None)
+_EXP_AVG, _EXP_AVG_SQ, _MAX_EXP_AVG_SQ, _STEP = (
+    operator.itemgetter(k) for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step"))
 
 
 class AdamW(Optimizer):
@@ -109,6 +145,7 @@ class AdamW(Optimizer):
         self._scratch_bytes = {}  # (device, amsgrad, count) -> bytes the C core asked for
         self._lr_cache = {}  # device -> (host lr values, float32 tensor on device)
         self._clip_coef = {}  # device -> float32 [1] coefficient for the next step()
+        self._plan = None  # _Plan of the last full step, when it can be reused
 
     def __setstate__(self, state):
         super().__setstate__(state)
@@ -130,6 +167,7 @@ class AdamW(Optimizer):
         super().load_state_dict(state_dict)
         self._normalize_steps(copy=True)
         self._clip_coef = {}
+        self._plan = None
 
     def _check_loaded_state(self, state_dict):
         saved_groups = state_dict.get("param_groups", [])
@@ -202,14 +240,16 @@ class AdamW(Optimizer):
 
         max_norm = _check_max_norm(max_norm)
         norm_type = _check_norm_type(norm_type)
-        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
-        devices = {g.device for g in grads}
-        if not grads:
-            self._clip_coef = {}
-            return torch.tensor(0.0)
-        if len(devices) > 1:
-            raise ValueError("clip_grad_norm_: parameters on several devices; use "
-                             "titanmac_c.clip_grad_norm_ instead")
+        grads = self._planned_grads()
+        if grads is None:
+            grads = [g for g in (p.grad for group in self.param_groups for p in group["params"])
+                     if g is not None]
+            if not grads:
+                self._clip_coef = {}
+                return torch.tensor(0.0)
+            if len({g.device for g in grads}) > 1:
+                raise ValueError("clip_grad_norm_: parameters on several devices; use "
+                                 "titanmac_c.clip_grad_norm_ instead")
         device = grads[0].device
         buf = torch.empty(2, dtype=torch.float32, device=device)
         kwargs = exec_kwargs(device)
@@ -247,6 +287,8 @@ class AdamW(Optimizer):
             self._fused_step_impl(lr, grad_scale, skip, zero_grads_on_skip)
 
     def _fused_step_impl(self, lr, grad_scale, skip, zero_grads_on_skip):
+        if self._planned_step(lr, grad_scale, skip, zero_grads_on_skip):
+            return
         batches, new_state, groups, lrs = self._collect()
         if len(batches) > 1:
             for batch in batches:
@@ -257,6 +299,53 @@ class AdamW(Optimizer):
             self._run(batch, groups, batch_lr, scale, skip, zero_grads_on_skip)
         self.state.update(new_state)
         self._clip_coef = {}
+        n_params = sum(len(g["params"]) for g in self.param_groups)
+        if len(batches) == 1 and len(batches[0].params) == n_params:
+            self._plan = _Plan(self, batches[0])
+
+    def _planned_grads(self):
+        """Every parameter's gradient (one device) through the cached plan, or None."""
+        flat = self._planned_flat()
+        return None if flat is None else flat[0]
+
+    def _planned_flat(self):
+        """(grads, params, group_of) of every parameter in group order through the cached plan
+        (read-only lists), or None when there is no valid plan or a gradient is missing."""
+        plan = self._plan
+        if plan is None or not plan.matches(self):
+            return None
+        grads = [p.grad for p in plan.batch.params]
+        return None if any(map(_IS_NONE, grads)) else (grads, plan.batch.params,
+                                                        plan.batch.group_of)
+
+    def _planned_step(self, lr, grad_scale, skip, zero_grads_on_skip):
+        """The step through the cached plan; False (nothing written) when there is none, it no
+        longer matches, a gradient is missing or the C core refused the call (the full path then
+        runs and names the problem)."""
+        plan, self._plan = self._plan, None
+        if plan is None or not plan.matches(self):
+            return False
+        batch = plan.batch
+        batch.grads = [p.grad for p in batch.params]
+        if any(map(_IS_NONE, batch.grads)):
+            return False
+        try:
+            states = list(map(self.state.__getitem__, batch.params))
+            batch.exp_avgs = list(map(_EXP_AVG, states))
+            batch.exp_avg_sqs = list(map(_EXP_AVG_SQ, states))
+            batch.steps = list(map(_STEP, states))
+            if batch.amsgrad:
+                batch.max_exp_avg_sqs = list(map(_MAX_EXP_AVG_SQ, states))
+            groups = [self._group_hparams(gi, g) for gi, g in enumerate(self.param_groups)]
+            lrs = [g["lr"] for g in self.param_groups]
+            batch_lr = lr if lr is not None else self._lr_tensor(batch.device, lrs)
+            scale = grad_scale if grad_scale is not None else self._clip_coef.get(batch.device)
+            self._run(batch, groups, batch_lr, scale, skip, zero_grads_on_skip)
+        except (ValueError, TypeError, BufferError, RuntimeError, KeyError):
+            return False  # validated before any write: the full path repeats it with names
+        self._clip_coef = {}
+        self._plan = plan
+        return True
 
     def _collect(self):
         """Flat lists per (device, amsgrad), each tensor tagged with its param_groups index, plus
