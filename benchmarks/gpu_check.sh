@@ -8,14 +8,14 @@
 # Env:   TITANMAC_CUDA_ARCHS  defaults to the compute capability of GPU 0 (fast build)
 #        OUT                  folder for logs and JSON (default benchmarks/out)
 #        STEPS                which checks to run, in order (default: all of
-#                             "build tests memcheck racecheck bench train train_cms profile")
+#                             "build tests memcheck racecheck bench host train train_cms profile")
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 declare -A RESULT
-ALL_STEPS="build tests memcheck racecheck bench train train_cms profile"
+ALL_STEPS="build tests memcheck racecheck bench host train train_cms profile"
 STEPS=${STEPS:-$ALL_STEPS}
 
 step() {  # step NAME COMMAND...: run, log to $OUT/NAME.log, remember pass/fail
@@ -46,6 +46,7 @@ step memcheck env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$SAN" --tool memcheck --erro
     python3 -P -m pytest -q -x -k "($SAN_K) and not graph" tests
 step racecheck "$SAN" --tool racecheck --error-exitcode 1 python3 -P -m pytest -q -x -k "$SAN_K" tests
 step bench python3 benchmarks/bench_step.py --device cuda --out "$OUT/bench_step_cuda.json"
+step host python3 benchmarks/bench_host.py --device cuda
 step train python3 benchmarks/bench_train.py --device cuda --steps 100 \
     --out "$OUT/bench_train_cuda.json"
 step train_cms python3 benchmarks/bench_train.py --device cuda --mode cms --steps 100 \

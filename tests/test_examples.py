@@ -268,3 +268,17 @@ def test_nvtx_setting_from_the_environment(monkeypatch):
     finally:
         monkeypatch.delenv("TITANMAC_NVTX", raising=False)
         _profiling.set_nvtx(None)
+
+
+# ---------------------------------------------------------------------------- bench_host.py
+
+def test_bench_host_tiny_run_prints_every_row(capsys):
+    threads = torch.get_num_threads()
+    try:
+        _load("bench_host").main(["--counts", "6", "--steps", "5"])
+    finally:
+        torch.set_num_threads(threads)  # the script pins one thread for its figures
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if "tensors" in line]
+    assert len(rows) == 4, out
+    assert all(float(line.split()[-1]) > 0.0 for line in rows)

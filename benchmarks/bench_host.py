@@ -1,0 +1,95 @@
+"""Host time of one optimizer step: tensors of 4 elements, so the arithmetic is nothing and what
+is timed is the Python shim, the DLPack intake and the C core's validation (on CUDA, also the
+launches). The targets of issue 3 (<= 50 us a step for 48 tensors, <= 150 us for 1,000) are
+about this cost.
+
+Times (median of many steps, microseconds): titanmac_c.AdamW.step, clip_grad_norm_ + step,
+torch.optim.AdamW(fused=True).step, and the DeepNestedOptimizer's step in AdamW mode on the
+TitanMAC-like model's 48 tensors, each shrunk to 4 elements (its grouping by name still applies).
+
+Usage: python benchmarks/bench_host.py [--device cpu|cuda] [--counts 48,1000] [--steps N]
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+import titanmac_c  # noqa: E402
+from dno_models import make_titanmac_like_model  # noqa: E402
+
+
+def _median_us(fn, device, steps, warmup=50):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(steps):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()  # enqueue only: no sync inside the timed region
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def adamw_rows(count, device, steps):
+    params = [torch.nn.Parameter(torch.randn(4, device=device)) for _ in range(count)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    half = count // 2
+    groups = [{"params": params[:half]}, {"params": params[half:]}]
+    ours = titanmac_c.AdamW(groups, lr=1e-3, weight_decay=0.01)
+    groups_t = [{"params": params[:half]}, {"params": params[half:]}]
+    theirs = torch.optim.AdamW(groups_t, lr=1e-3, weight_decay=0.01, fused=True)
+
+    def clip_step():
+        ours.clip_grad_norm_(1.0)
+        ours.step()
+
+    return [(f"{count} tensors", "titanmac_c AdamW.step", _median_us(ours.step, device, steps)),
+            (f"{count} tensors", "titanmac_c clip_grad_norm_ + step",
+             _median_us(clip_step, device, steps)),
+            (f"{count} tensors", "torch AdamW(fused=True).step",
+             _median_us(theirs.step, device, steps))]
+
+
+def dno_row(device, steps):
+    model = make_titanmac_like_model(seed=0).to(device)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data = torch.randn(4, device=device)
+    opt = titanmac_c.DeepNestedOptimizer(model, base_lr=3e-4, weight_decay=0.01,
+                                         max_grad_norm=1.0)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    loss = torch.tensor(1.0, device=device)
+    n = sum(1 for _ in model.parameters())
+    return (f"{n} tensors", "titanmac_c DeepNestedOptimizer.step (AdamW mode)",
+            _median_us(lambda: opt.step(loss), device, steps))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--counts", default="48,1000")
+    parser.add_argument("--steps", type=int, default=1000)
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    torch.set_num_threads(1)  # no OpenMP fork/join in the figure: 4-element tensors
+    rows = []
+    for count in (int(c) for c in args.counts.split(",")):
+        rows += adamw_rows(count, device, args.steps if count <= 100 else args.steps // 10)
+    rows.append(dno_row(device, args.steps))
+    print(f"{'set':>13}  {'step':<50} {'host us':>8}")
+    for where, what, us in rows:
+        print(f"{where:>13}  {what:<50} {us:>8.1f}")
+    print(f"[bench_host] device {device}, torch {torch.__version__}, "
+          f"{time.strftime('%Y-%m-%d')}")
+
+
+if __name__ == "__main__":
+    main()
