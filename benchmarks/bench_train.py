@@ -48,7 +48,8 @@ def state_bytes(opt):
             tensors += [getattr(lvl, k) for lvl in st.levels
                         for k in ("momentum", "accumulated_grad", "ema_grad", "v_sq")]
         else:
-            tensors += [t for v in st.values() for t in (v if isinstance(v, list) else [v])]
+            tensors += [t for v in st.values() for t in (v if isinstance(v, list) else [v])
+                        if t is not None]  # None: a CMS buffer titanmac_c does not keep
     return sum(t.numel() * t.element_size() for t in tensors)
 
 

@@ -203,6 +203,36 @@ def test_steps_match_reference(device, net, freqs, wd, dtype):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("net", ["direct", "legacy"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_buffers_not_kept_change_nothing_else(device, net, dtype):
+    """Empty ema[l > 0] and v_sq lists (what the DeepNestedOptimizer passes: nothing reads them)
+    give the same bits in params, momenta, accumulators, e_0 and step counts as full lists, over
+    steps where every level fires; the kept e_0 matches the reference."""
+    ref, params, group_of = make_case(net, (1, 10, 100), 0.01, dtype, device)
+    full = Ours(ref, params, group_of, device)
+    lean = Ours(ref, params, group_of, device)
+    lean.state["ema_grad"][1:] = [[] for _ in range(lean.K - 1)]
+    lean.state["v_sq"] = [[] for _ in range(lean.K)]
+    gen = torch.Generator().manual_seed(6)
+    for t, coef in zip((98, 99, 100, 110, 200), (0.75, None, 0.5, 1.0, None)):
+        grads = make_grads(params, gen, dtype)
+        full.step(grads, t, coef)
+        lean.step(grads, t, coef)
+        ref_step(ref, params, group_of, grads, t, coef)
+    assert all(torch.equal(a, b) for a, b in zip(full.params, lean.params))
+    for key in ("momentum", "accumulated_grad"):
+        for l in range(full.K):
+            assert all(torch.equal(a, b) for a, b in zip(full.state[key][l], lean.state[key][l]))
+    assert all(torch.equal(a, b) for a, b in zip(full.state["ema_grad"][0],
+                                                  lean.state["ema_grad"][0]))
+    assert all(torch.equal(a, b) for a, b in zip(full.steps, lean.steps))
+    for i, p in enumerate(params):
+        e0 = ref.state[p].levels[0].ema_grad.reshape(-1)
+        close(lean.state["ema_grad"][0][i], e0, 1e-6, 1e-6, f"ema_grad[0][{i}]")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("net", ["direct", "legacy"])
 def test_reference_init_networks(device, net):
     """The networks as the reference initializes them (B4's DirectUpdateMLP, H = 20; the legacy
     MLP with H = 64 and its [1.5, 3.0, -5.0] output bias)."""

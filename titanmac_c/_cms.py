@@ -2,10 +2,15 @@
 training of DirectUpdateMLP, torch autograd without host syncs) and the checkpoint layout.
 Phase 2, the parameter update, is one call of the C core (tm_cms_step).
 
-State per tensor and level l < K, as in the reference's ContinuumMemoryState: momentum m_l,
-accumulated gradient A_l, gradient EMA e_l, squared-gradient EMA v_sq_l (all float32, the
-parameter's shape), and the level's fire count, kept as a float32 device tensor [K] per tensor
-(incremented by the C core, so a step skipped on the device does not count).
+State per tensor and level l < K, of the reference's ContinuumMemoryState only what some
+computation reads: momentum m_l, accumulated gradient A_l (float32, the parameter's shape), the
+gradient EMA e_0 of level 0 (the meta proxy loss's target), and the levels' fire counts, a
+float32 device tensor [K] per tensor (incremented by the C core, so a step skipped on the device
+does not count). The reference also keeps e_l for l > 0 and v_sq_l, which nothing reads (spec
+7.1): 2K + 1 full-size buffers per tensor here instead of 4K. Checkpoints still carry every key
+of the reference's layout; the buffers not kept are saved as zeros (stride-0 tensors, one
+element of storage each), which the reference loads and, never reading them, continues as if
+they held its values.
 """
 
 import math
@@ -31,6 +36,11 @@ from ._runtime import exec_kwargs
 CMS_BUFFERS = ("momentum", "accumulated_grad", "ema_grad", "v_sq")
 
 
+def kept(name, level):
+    """Whether CMSState keeps buffer `name` of `level` (see the module docstring)."""
+    return name in ("momentum", "accumulated_grad") or (name == "ema_grad" and level == 0)
+
+
 def level_frequencies(cms_frequencies, consistent=False):
     """Level l fires every B**l steps, B = cms_frequencies[1] (10 with one level): spec 7.1, B7.
     consistent (fix_reference_bugs): level l fires every cms_frequencies[l] steps, the period
@@ -51,15 +61,18 @@ class CMSState:
         self.ema_decays = [0.99 ** (1.0 / f) for f in self.frequencies]
         self.index = {p: i for i, p in enumerate(self.params)}
         f32 = dict(dtype=torch.float32, device=device)
+        # buffers[name][level]: one tensor per param, or [] for a buffer not kept
         self.buffers = {name: [[torch.zeros(p.shape, **f32) for p in self.params]
-                               for _ in range(self.k)] for name in CMS_BUFFERS}
+                               if kept(name, level) else [] for level in range(self.k)]
+                        for name in CMS_BUFFERS}
         self.step_counts = [torch.zeros(self.k, **f32) for _ in self.params]
 
     def public_view(self):
-        """optimizer.state in CMS mode: per parameter its buffers by level (views, not copies)."""
+        """optimizer.state in CMS mode: per parameter its buffers by level (views, not copies);
+        None for a buffer not kept."""
         view = {}
         for i, p in enumerate(self.params):
-            entry = {name: [self.buffers[name][level][i] for level in range(self.k)]
+            entry = {name: [level[i] if level else None for level in self.buffers[name]]
                      for name in CMS_BUFFERS}
             entry["step_count"] = self.step_counts[i]
             view[p] = entry
@@ -69,8 +82,9 @@ class CMSState:
         return [m for level in self.buffers["momentum"] for m in level]
 
     def level_lists(self, name, indices):
-        """Per-level lists of buffer `name` for the tensors at `indices`."""
-        return [[level[i] for i in indices] for level in self.buffers[name]]
+        """Per-level lists of buffer `name` for the tensors at `indices` ([] where not kept: the
+        C core then computes that buffer's update and drops it)."""
+        return [[level[i] for i in indices] if level else [] for level in self.buffers[name]]
 
     def fires(self, t):
         return [t % f == 0 for f in self.frequencies]
@@ -81,32 +95,36 @@ class CMSState:
         """{tensor index: {level: {momentum, step_count (int), accumulated_grad, ema_grad,
         v_sq}}}; the step counts are read from the device here (checkpointing may sync)."""
         out = {}
-        for i in range(len(self.params)):
+        for i, p in enumerate(self.params):
             counts = self.step_counts[i].tolist()
-            out[i] = {level: dict({name: self.buffers[name][level][i] for name in CMS_BUFFERS},
-                                  step_count=int(counts[level]))
+            zeros = torch.zeros(1, dtype=torch.float32, device=p.device).expand(p.shape)
+            out[i] = {level: dict({name: self.buffers[name][level][i]
+                                   if self.buffers[name][level] else zeros
+                                   for name in CMS_BUFFERS}, step_count=int(counts[level]))
                       for level in range(self.k)}
         return out
 
     @torch.no_grad()
     def load_state_dict(self, cms_state):
         """Copies into the existing buffers; a missing ema_grad / v_sq (older checkpoints) loads
-        as zeros, as in the reference."""
+        as zeros, as in the reference. Values of buffers not kept are checked and dropped."""
         for i, levels in cms_state.items():
             if i >= len(self.params):
                 raise ValueError(f"cms_state[{i}]: the optimizer has {len(self.params)} tensors")
             for level, saved in levels.items():
                 if level >= self.k:
                     raise ValueError(f"cms_state[{i}][{level}]: the optimizer has {self.k} levels")
+                shape = self.params[i].shape
                 for name in CMS_BUFFERS:
-                    buf = self.buffers[name][level][i]
                     value = saved.get(name)
                     if value is None and name in ("momentum", "accumulated_grad"):
                         raise ValueError(f"cms_state[{i}][{level}]: no {name!r}")
-                    if value is not None and value.shape != buf.shape:
+                    if value is not None and value.shape != shape:
                         raise ValueError(f"cms_state[{i}][{level}][{name!r}]: shape "
-                                         f"{tuple(value.shape)}, expected {tuple(buf.shape)}")
-                    buf.copy_(value if value is not None else torch.zeros_like(buf))
+                                         f"{tuple(value.shape)}, expected {tuple(shape)}")
+                    if self.buffers[name][level]:
+                        buf = self.buffers[name][level][i]
+                        buf.copy_(value if value is not None else torch.zeros_like(buf))
                 self.step_counts[i][level] = float(saved.get("step_count", 0))
 
 

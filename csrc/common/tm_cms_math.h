@@ -337,11 +337,28 @@ tm_cms_level_grad(float acc, float g, float div)
 }
 
 /* The unconditional updates of a firing level: e and v (spec 7.2 steps 3.2, 3.3). */
+TM_HOST_DEVICE float
+tm_cms_ema_next(float e, float gh, const tm_cms_consts *c, int32_t l)
+{
+    return tm_fadd(tm_fmul(c->ema_keep[l], e), tm_fmul(c->ema_take[l], gh));
+}
+
+TM_HOST_DEVICE float
+tm_cms_vsq_next(float v, float gh, const tm_cms_consts *c)
+{
+    return tm_fadd(tm_fmul(c->beta2, v), tm_fmul(c->beta2_take, tm_fmul(gh, gh)));
+}
+
+/* Both, in place; a NULL buffer is one the caller does not keep. */
 TM_HOST_DEVICE void
 tm_cms_ema_elem(float *e, float *v, float gh, const tm_cms_consts *c, int32_t l)
 {
-    *e = tm_fadd(tm_fmul(c->ema_keep[l], *e), tm_fmul(c->ema_take[l], gh));
-    *v = tm_fadd(tm_fmul(c->beta2, *v), tm_fmul(c->beta2_take, tm_fmul(gh, gh)));
+    if (e != NULL) {
+        *e = tm_cms_ema_next(*e, gh, c, l);
+    }
+    if (v != NULL) {
+        *v = tm_cms_vsq_next(*v, gh, c);
+    }
 }
 
 #endif /* TM_CMS_MATH_H */

@@ -7,6 +7,7 @@
  * host hyperparameters, lr/grad_scale/skip/loss shapes, group_of, scratch.
  *
  * Per-level lists are named "momentum[l]", "accumulated[l]", "ema[l]", "v_sq[l]" (by the binding;
+ * the ema and v_sq lists may be empty: not kept, see titanmac.h;
  * these names are the defaults), so a message reads "momentum[1][3]: numel 10 does not match
  * params[3] numel 12" for level 1 of tensor 3. As for tm_adamw_step, aliasing is checked between
  * the lists at one index (tm_roles.c), not between a lone input (lr, loss, ...) or a weight and
@@ -85,12 +86,18 @@ build_roles(const tm_cms_tensors *t, const tm_cms_inputs *in, int32_t k, tm_role
     return n;
 }
 
-/* Counts of every list against params (weights were checked with the sizes). */
+/* Counts of every list against params (weights were checked with the sizes); the ema and v_sq
+ * lists (roles 2 and 3 of the state) may also be empty: not kept. */
 static tm_status
-check_cms_counts(const tm_role *roles, int n)
+check_cms_counts(const tm_role *roles, int n, int32_t levels)
 {
     const tm_tensor_list *params = &roles[CMS_PARAMS].list;
+    const int optional_first = CMS_STATE + 2 * levels;
+    const int optional_end = CMS_STATE + 4 * levels;
     for (int k = CMS_GRADS; k <= n - CMS_TAIL + CMS_STEPS; k++) {
+        if (k >= optional_first && k < optional_end && roles[k].list.count == 0) {
+            continue;
+        }
         TM_TRY(tm_check_count(&roles[k].list, params->count, params->name));
     }
     return TM_OK;
@@ -215,7 +222,7 @@ tm_validate_cms(const tm_cms_tensors *t, const tm_cms_args *args, const tm_cms_i
     const int n = build_roles(t, in, args->levels, roles);
     TM_TRY(tm_roles_structure(roles, n));
     TM_TRY(check_cms_sizes(args, &roles[n - CMS_TAIL + CMS_WEIGHTS].list));
-    TM_TRY(check_cms_counts(roles, n));
+    TM_TRY(check_cms_counts(roles, n, args->levels));
     TM_TRY(tm_roles_check(roles, n, ref));
     TM_TRY(check_cms_state(roles, args->levels));
     TM_TRY(check_cms_weights(&roles[n - CMS_TAIL + CMS_WEIGHTS].list, args));

@@ -84,8 +84,8 @@ cms_block(const cms_ctx *x, int32_t i, int64_t b, int64_t slot, cpu_cms_block *b
     for (int32_t l = 0; l < x->levels; l++) {
         blk->m[l] = (float *)t->momentum[l].tensors[i].data + off;
         blk->acc[l] = (float *)t->accumulated[l].tensors[i].data + off;
-        blk->ema[l] = (float *)t->ema[l].tensors[i].data + off;
-        blk->vsq[l] = (float *)t->v_sq[l].tensors[i].data + off;
+        blk->ema[l] = t->ema[l].count > 0 ? (float *)t->ema[l].tensors[i].data + off : NULL;
+        blk->vsq[l] = t->v_sq[l].count > 0 ? (float *)t->v_sq[l].tensors[i].data + off : NULL;
         const int shift = x->stats_pass && (x->c->fires >> l & 1u);
         blk->shift_m[l] = shift ? ((const float *)t->momentum[l].tensors[i].data)[0] : 0.0f;
         blk->shift_g[l] = shift ? first_level_grad(x, i, l) : 0.0f;

@@ -117,27 +117,35 @@ cms_tile_mlp(const tm_cms_direct_net *net, cms_tile *t)
                    (float (*)[CMS_TILE])t->out, 0, 1);
 }
 
-/* g^, the e and v updates (stored), m, and the four features of elements [s, s + CMS_TILE). */
+/* g^, m and the four features of elements [s, s + CMS_TILE); the e and v updates of the
+ * buffers the caller keeps (NULL: not kept). */
 CPU_INLINE void
 cms_tile_inputs(const cpu_cms_block *b, int l, int64_t s, tm_dtype dt, cms_tile *t)
 {
     float *restrict acc = b->acc[l] + s;
-    float *restrict ema = b->ema[l] + s;
-    float *restrict vsq = b->vsq[l] + s;
     const float *restrict m = b->m[l] + s;
     const float div = b->c->div[l];
     TM_SIMD
     for (int e = 0; e < CMS_TILE; e++) {
         const float gh = tm_cms_level_grad(acc[e], cms_grad(b, s + e, dt), div);
-        float ev = ema[e];
-        float vv = vsq[e];
-        tm_cms_ema_elem(&ev, &vv, gh, b->c, l);
-        ema[e] = ev;
-        vsq[e] = vv;
         t->gh[e] = gh;
         t->m[e] = m[e];
         tm_cms_preprocess(gh, &t->act[0][0][e], &t->act[0][1][e]);
         tm_cms_preprocess(m[e], &t->act[0][2][e], &t->act[0][3][e]);
+    }
+    if (b->ema[l] != NULL) {
+        float *restrict ema = b->ema[l] + s;
+        TM_SIMD
+        for (int e = 0; e < CMS_TILE; e++) {
+            ema[e] = tm_cms_ema_next(ema[e], t->gh[e], b->c, l);
+        }
+    }
+    if (b->vsq[l] != NULL) {
+        float *restrict vsq = b->vsq[l] + s;
+        TM_SIMD
+        for (int e = 0; e < CMS_TILE; e++) {
+            vsq[e] = tm_cms_vsq_next(vsq[e], t->gh[e], b->c);
+        }
     }
 }
 
@@ -172,7 +180,8 @@ cms_direct_level(const cpu_cms_block *b, int l, tm_dtype dt, double (*sums)[CPU_
     }
     for (int64_t i = full; i < b->n; i++) {
         const float gh = tm_cms_level_grad(b->acc[l][i], cms_grad(b, i, dt), b->c->div[l]);
-        tm_cms_ema_elem(&b->ema[l][i], &b->vsq[l][i], gh, b->c, l);
+        tm_cms_ema_elem(b->ema[l] != NULL ? &b->ema[l][i] : NULL,
+                        b->vsq[l] != NULL ? &b->vsq[l][i] : NULL, gh, b->c, l);
         const float d = tm_cms_direct_delta(b->net, gh, b->m[l][i]);
         const float mp = tm_fadd(tm_fmul(b->c->mom_keep, b->m[l][i]), tm_fmul(b->c->mom_take, d));
         b->m[l][i] = mp;
@@ -191,7 +200,8 @@ CPU_INLINE float
 cms_legacy_elem(const cpu_cms_block *b, int l, int64_t i, float ca, float cb, tm_dtype dt)
 {
     const float gh = tm_cms_level_grad(b->acc[l][i], cms_grad(b, i, dt), b->c->div[l]);
-    tm_cms_ema_elem(&b->ema[l][i], &b->vsq[l][i], gh, b->c, l);
+    tm_cms_ema_elem(b->ema[l] != NULL ? &b->ema[l][i] : NULL,
+                    b->vsq[l] != NULL ? &b->vsq[l][i] : NULL, gh, b->c, l);
     const float mp = tm_fadd(tm_fmul(ca, b->m[l][i]), tm_fmul(cb, gh));
     b->m[l][i] = mp;
     b->acc[l][i] = 0.0f;

@@ -78,8 +78,9 @@ cms_update_elem(const cms_meta &meta, const cms_params &p, const tm_cms_direct_n
     float *m = cms_state(meta, CMS_ROLE_M, l, s) + i;
     float *acc = cms_state(meta, CMS_ROLE_ACC, l, s) + i;
     const float gh = tm_cms_level_grad(*acc, cms_grad(meta, s, i, scale), p.c.div[l]);
-    float *ema = cms_state(meta, CMS_ROLE_EMA, l, s) + i;
-    tm_cms_ema_elem(ema, cms_state(meta, CMS_ROLE_VSQ, l, s) + i, gh, &p.c, l);
+    float *ema = cms_state(meta, CMS_ROLE_EMA, l, s); /* NULL: not kept */
+    float *vsq = cms_state(meta, CMS_ROLE_VSQ, l, s);
+    tm_cms_ema_elem(ema != NULL ? ema + i : NULL, vsq != NULL ? vsq + i : NULL, gh, &p.c, l);
     float mp;
     float d = 0.0f;
     if (p.legacy) {

@@ -172,7 +172,8 @@ struct cms_walk {
         m.ptr[CMS_IDX_GRAD][slot] = t->grads.tensors[i].data;
         for (int r = 0; r < 4; r++) {
             for (int l = 0; l < TM_CMS_MAX_LEVELS; l++) {
-                m.ptr[cms_idx(r, l)][slot] = l < a->levels ? roles[r][l].tensors[i].data : NULL;
+                const bool kept = l < a->levels && roles[r][l].count > 0; /* ema, v_sq: optional */
+                m.ptr[cms_idx(r, l)][slot] = kept ? roles[r][l].tensors[i].data : NULL;
             }
         }
         m.ptr[CMS_IDX_STEPS][slot] = t->step_counts.tensors[i].data;

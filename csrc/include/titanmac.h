@@ -268,7 +268,10 @@ typedef struct {
  * are the network's parameters in module order (list(net.parameters())): DIRECT W_in [H,4],
  * b_in, (W [H,H], b) x (L-1), W_out [1,H], b_out [1]; LEGACY residual_weight [1] first (never
  * read: forward does not use it), then W_in [H,9], b_in, (W [H,H], b) x (L-1), W_out [3,H],
- * b_out [3]. Lists of levels >= levels are ignored. */
+ * b_out [3]. Lists of levels >= levels are ignored. An ema[l] or v_sq[l] list may be empty
+ * (count 0): that buffer is not kept, its update is computed and dropped. Nothing in the update
+ * reads them (the reference reads only e_0, in its meta proxy loss, outside this op), so a
+ * caller keeps 2 levels + 1 buffers per tensor instead of 4 levels. */
 typedef struct {
     tm_tensor_list params;
     tm_tensor_list grads;
