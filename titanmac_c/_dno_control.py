@@ -1,0 +1,97 @@
+"""The statistics pass and the fused control step of the DeepNestedOptimizer (spec sections 3
+and 4), as a mixin of DeepNestedOptimizer: per-group gradient and parameter norms in one tm_norms
+call, then tm_dno_control (loss EMA, NestedController, learning rates, clip coefficient, skip
+predicate) on the device. Every tensor list comes from AdamW's cached plan in the steady state.
+"""
+
+import torch
+
+from . import _C
+from ._reference_dno import EMA_LOSS_BETA, MAX_LR_MULT, MIN_LR_MULT, N_GROUPS
+from ._runtime import exec_kwargs, norms_scratch
+
+
+class ControlStepMixin:
+    """Needs from the optimizer: base_optimizer, controller, device, the device buffers _norms,
+    _loss, _lr_multipliers, ema_loss, _lr, _coef, skipped, and the hyperparameters it passes."""
+
+    def _gather(self, with_params):
+        """Grads (and params) of the grouped tensors that have a gradient, with group indices;
+        and whether every grouped tensor has one. In the steady state AdamW's cached plan has
+        these lists already (read-only)."""
+        flat = self.base_optimizer._planned_flat()
+        if flat is not None:
+            grads, params, group_of = flat
+            return grads, (params if with_params else None), group_of, True
+        grads, params, group_of = [], [], []
+        for gi, group in enumerate(self.base_optimizer.param_groups):
+            for p in group["params"]:
+                if p.grad is not None:
+                    grads.append(p.grad)
+                    params.append(p)
+                    group_of.append(gi)
+        return grads, (params if with_params else None), group_of, False
+
+    def _run_norms(self, update):
+        """tm_norms into self._norms: group grad norms, group param norms (controller steps),
+        total grad norm. Parameters without a gradient still count in their group's parameter
+        norm (spec 3), through a second pass over just those."""
+        g = N_GROUPS
+        norms = self._norms
+        grads, params, group_of, complete = self._gather(update)
+        if not grads:
+            norms.zero_()
+        else:
+            kw = dict(group_param=norms[g:2 * g] if update else None, group_of=group_of,
+                      num_groups=g, scratch=norms_scratch(self.device, grads, params))
+            _C.norms(grads, params, norms[0:g], norms[2 * g:], **kw, **exec_kwargs(self.device))
+        if update:
+            missing = [] if complete else [
+                (gi, p) for gi, grp in enumerate(self.base_optimizer.param_groups)
+                for p in grp["params"] if p.grad is None]
+            if missing or not grads:
+                extra = self._param_norms_without_grads(missing)
+                norms[g:2 * g] = torch.sqrt(norms[g:2 * g] ** 2 * bool(grads) + extra ** 2)
+
+    def _param_norms_without_grads(self, missing):
+        g = N_GROUPS
+        out = torch.zeros(g + 1, dtype=torch.float32, device=self.device)
+        if missing:
+            tensors = [p.detach() for _, p in missing]
+            _C.norms(tensors, None, out[0:g], out[g:], group_of=[gi for gi, _ in missing],
+                     num_groups=g, scratch=norms_scratch(self.device, tensors),
+                     **exec_kwargs(self.device))
+        return out[0:g]
+
+    def _controller_inputs(self, grad_norms, param_norms):
+        """The stats columns the controller reads: raw norms (B6, the reference), or with
+        fix_reference_bugs log1p(norm) / 10 as the sibling ContinuumOptimizer scales them."""
+        if not self.fix_reference_bugs:
+            return grad_norms, param_norms
+        return torch.log1p(grad_norms) / 10.0, torch.log1p(param_norms) / 10.0
+
+    def _controller_weights(self):
+        """Detached views of the controller's weights, rebuilt only when the module was replaced
+        or a weight's storage moved (meta-updates and load_state_dict write in place)."""
+        cached = self.__dict__.get("_controller_views")
+        if cached is None or cached[0] is not self.controller:
+            cached = (self.controller, list(self.controller.parameters()), None)
+        module, params, views = cached
+        if views is None or any(v.data_ptr() != p.data_ptr() for v, p in zip(views, params)):
+            views = [p.detach() for p in params]
+        self._controller_views = (module, params, views)
+        return views
+
+    def _control(self, t, update, check_loss, base_lr=None):
+        g = N_GROUPS
+        n = self._norms
+        grad_in, param_in = self._controller_inputs(n[0:g], n[g:2 * g])
+        _C.dno_control(
+            grad_in, param_in, n[2 * g:], self.group_depths, self._loss,
+            self._controller_weights(), self._lr_multipliers,
+            self.ema_loss, self._lr, self._coef, self.skipped,
+            hidden=self.controller_hidden_dim, layers=self.controller_num_layers,
+            update_controller=update, first_step=(t == 1), check_loss=check_loss,
+            base_lr=self.base_lr if base_lr is None else base_lr,
+            max_grad_norm=self.max_grad_norm, ema_beta=EMA_LOSS_BETA, mu_min=MIN_LR_MULT,
+            mu_max=MAX_LR_MULT, stream=exec_kwargs(self.device).get("stream"))
