@@ -176,9 +176,9 @@ def test_fp32_mostly_bitwise_equal_to_torch():
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_steps_follow_changes_to_groups_and_state(device):
-    """step() keeps its flat lists between steps (AdamW._Plan) and re-reads only the gradients;
-    a parameter replaced inside a group list, a new group, a missing gradient, a reloaded state
-    and a clip must each take effect exactly as in torch."""
+    """step() keeps its flat lists between steps (titanmac_c._flat.Plan) and re-reads the
+    gradients and state tensors; a parameter replaced inside a group list, a new group, a missing
+    gradient, a reloaded state and a clip must each take effect exactly as in torch."""
     params_a = make_params([10, 20, 30], device, misaligned=False)
     params_b = clone_params(params_a)
     ours = titanmac_c.AdamW(params_a, lr=1e-2, weight_decay=0.01)

@@ -7,9 +7,7 @@ State per parameter: "step" (float32 0-d tensor on the parameter's device), "exp
 "exp_avg_sq" and, with amsgrad, "max_exp_avg_sq" (all in the parameter's dtype).
 """
 
-import functools
 import math
-import operator
 
 import torch
 from torch import Tensor
@@ -17,6 +15,7 @@ from torch.optim import Optimizer
 
 from . import _C
 from . import _profiling as prof
+from ._flat import Batch, Plan
 from ._runtime import (
     Scratch,
     check_supported_dtype,
@@ -36,51 +35,6 @@ def _scalar(name, value):
             raise ValueError(f"Tensor {name} must be 1-element")
         return float(value)
     return value
-
-
-class _Batch:
-    """The flat lists of one C call: the tensors of every group on one device with one amsgrad."""
-
-    def __init__(self, device, amsgrad):
-        self.device = device
-        self.amsgrad = amsgrad
-        self.params, self.grads, self.exp_avgs, self.exp_avg_sqs = [], [], [], []
-        self.max_exp_avg_sqs, self.steps, self.group_of = [], [], []
-        self.names = []  # "param_groups[g]['params'][j]" of each flat entry
-
-
-class _Plan:
-    """The flat lists of a steady-state step, kept between steps: one device, every parameter
-    with a gradient and a state. step() then re-reads the gradients and the state tensors (either
-    may have been replaced) with C-level maps instead of _collect's per-tensor Python work, most
-    of the host time of a step over many small tensors. Valid while the groups hold the same
-    parameter objects (checked by identity every step) and the state dict is the one it was
-    built from."""
-
-    def __init__(self, optimizer, batch):
-        self.batch = batch
-        self.state = optimizer.state
-        self.n_state = len(optimizer.state)
-        self.groups = [(g, g["params"], list(g["params"]), bool(g["amsgrad"]))
-                       for g in optimizer.param_groups]
-
-    def matches(self, optimizer):
-        groups = optimizer.param_groups
-        if (optimizer.state is not self.state or len(self.state) != self.n_state
-                or len(groups) != len(self.groups)):
-            return False
-        for group, (built, listed, params, amsgrad) in zip(groups, self.groups):
-            current = group["params"]
-            if (group is not built or current is not listed or len(current) != len(params)
-                    or bool(group["amsgrad"]) != amsgrad
-                    or not all(map(operator.is_, current, params))):
-                return False
-        return True
-
-
-_IS_NONE = functools.partial(operator.is_, None)
-_EXP_AVG, _EXP_AVG_SQ, _MAX_EXP_AVG_SQ, _STEP = (
-    operator.itemgetter(k) for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step"))
 
 
 class AdamW(Optimizer):
@@ -145,7 +99,7 @@ class AdamW(Optimizer):
         self._scratch_bytes = {}  # (device, amsgrad, count) -> bytes the C core asked for
         self._lr_cache = {}  # device -> (host lr values, float32 tensor on device)
         self._clip_coef = {}  # device -> float32 [1] coefficient for the next step()
-        self._plan = None  # _Plan of the last full step, when it can be reused
+        self._plan = None  # _flat.Plan of the last full step, when it can be reused
 
     def __setstate__(self, state):
         super().__setstate__(state)
@@ -292,16 +246,19 @@ class AdamW(Optimizer):
         batches, new_state, groups, lrs = self._collect()
         if len(batches) > 1:
             for batch in batches:
-                self._precheck(batch)
+                batch.precheck()
         for batch in batches:
-            batch_lr = lr if lr is not None else self._lr_tensor(batch.device, lrs)
-            scale = grad_scale if grad_scale is not None else self._clip_coef.get(batch.device)
-            self._run(batch, groups, batch_lr, scale, skip, zero_grads_on_skip)
+            self._run_batch(batch, groups, lrs, lr, grad_scale, skip, zero_grads_on_skip)
         self.state.update(new_state)
         self._clip_coef = {}
         n_params = sum(len(g["params"]) for g in self.param_groups)
         if len(batches) == 1 and len(batches[0].params) == n_params:
-            self._plan = _Plan(self, batches[0])
+            self._plan = Plan(self, batches[0])
+
+    def _run_batch(self, batch, groups, lrs, lr, grad_scale, skip, zero_grads_on_skip):
+        batch_lr = lr if lr is not None else self._lr_tensor(batch.device, lrs)
+        scale = grad_scale if grad_scale is not None else self._clip_coef.get(batch.device)
+        self._run(batch, groups, batch_lr, scale, skip, zero_grads_on_skip)
 
     def _planned_grads(self):
         """Every parameter's gradient (one device) through the cached plan, or None."""
@@ -312,35 +269,22 @@ class AdamW(Optimizer):
         """(grads, params, group_of) of every parameter in group order through the cached plan
         (read-only lists), or None when there is no valid plan or a gradient is missing."""
         plan = self._plan
-        if plan is None or not plan.matches(self):
-            return None
-        grads = [p.grad for p in plan.batch.params]
-        return None if any(map(_IS_NONE, grads)) else (grads, plan.batch.params,
-                                                        plan.batch.group_of)
+        grads = plan.grads() if plan is not None and plan.matches(self) else None
+        return None if grads is None else (grads, plan.batch.params, plan.batch.group_of)
 
     def _planned_step(self, lr, grad_scale, skip, zero_grads_on_skip):
         """The step through the cached plan; False (nothing written) when there is none, it no
         longer matches, a gradient is missing or the C core refused the call (the full path then
         runs and names the problem)."""
         plan, self._plan = self._plan, None
-        if plan is None or not plan.matches(self):
-            return False
-        batch = plan.batch
-        batch.grads = [p.grad for p in batch.params]
-        if any(map(_IS_NONE, batch.grads)):
+        grads = plan.grads() if plan is not None and plan.matches(self) else None
+        if grads is None:
             return False
         try:
-            states = list(map(self.state.__getitem__, batch.params))
-            batch.exp_avgs = list(map(_EXP_AVG, states))
-            batch.exp_avg_sqs = list(map(_EXP_AVG_SQ, states))
-            batch.steps = list(map(_STEP, states))
-            if batch.amsgrad:
-                batch.max_exp_avg_sqs = list(map(_MAX_EXP_AVG_SQ, states))
+            batch = plan.refresh(grads)
             groups = [self._group_hparams(gi, g) for gi, g in enumerate(self.param_groups)]
             lrs = [g["lr"] for g in self.param_groups]
-            batch_lr = lr if lr is not None else self._lr_tensor(batch.device, lrs)
-            scale = grad_scale if grad_scale is not None else self._clip_coef.get(batch.device)
-            self._run(batch, groups, batch_lr, scale, skip, zero_grads_on_skip)
+            self._run_batch(batch, groups, lrs, lr, grad_scale, skip, zero_grads_on_skip)
         except (ValueError, TypeError, BufferError, RuntimeError, KeyError):
             return False  # validated before any write: the full path repeats it with names
         self._clip_coef = {}
@@ -372,7 +316,7 @@ class AdamW(Optimizer):
                 key = (p.device, bool(group["amsgrad"]))
                 batch = batches.get(key)
                 if batch is None:
-                    batch = batches[key] = _Batch(*key)
+                    batch = batches[key] = Batch(*key)
                 batch.group_of.append(gi)
                 batch.params.append(p)
                 batch.grads.append(grad)
@@ -459,22 +403,3 @@ class AdamW(Optimizer):
         except (ValueError, TypeError, BufferError) as exc:
             group_names = [f"param_groups[{i}]" for i in range(len(groups))]
             reraise_with_names(exc, batch.names, group_names)
-
-    @staticmethod
-    def _precheck(batch):
-        """With several C calls per step, a failure in a later call must not follow a completed
-        earlier one: check in Python what the C core would refuse, before any call."""
-        for i, p in enumerate(batch.params):
-            name = batch.names[i]
-            if not p.is_contiguous():
-                raise BufferError(f"params[{i}]: not contiguous ({name})")
-            tensors = [batch.grads[i], batch.exp_avgs[i], batch.exp_avg_sqs[i]]
-            if batch.amsgrad:
-                tensors.append(batch.max_exp_avg_sqs[i])
-            for t in tensors:
-                if t.shape != p.shape or t.dtype != p.dtype or t.device != p.device:
-                    raise ValueError(f"{name}: state or gradient does not match the parameter "
-                                     f"(shape {tuple(t.shape)}, dtype {t.dtype}, {t.device})")
-            step = batch.steps[i]
-            if step.dtype != torch.float32 or step.numel() != 1 or step.device != p.device:
-                raise ValueError(f"{name}: step must be a float32 scalar on {p.device}")

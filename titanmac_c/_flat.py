@@ -1,0 +1,87 @@
+"""The flat tensor lists AdamW hands the C core: one Batch per C call (the tensors of every group
+on one device with one amsgrad), and the Plan that keeps a steady-state Batch between steps."""
+
+import functools
+import operator
+
+import torch
+
+_IS_NONE = functools.partial(operator.is_, None)
+_EXP_AVG, _EXP_AVG_SQ, _MAX_EXP_AVG_SQ, _STEP = (
+    operator.itemgetter(k) for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step"))
+
+
+class Batch:
+    """The flat lists of one C call: the tensors of every group on one device with one amsgrad."""
+
+    def __init__(self, device, amsgrad):
+        self.device = device
+        self.amsgrad = amsgrad
+        self.params, self.grads, self.exp_avgs, self.exp_avg_sqs = [], [], [], []
+        self.max_exp_avg_sqs, self.steps, self.group_of = [], [], []
+        self.names = []  # "param_groups[g]['params'][j]" of each flat entry
+
+    def precheck(self):
+        """With several C calls per step, a failure in a later call must not follow a completed
+        earlier one: check in Python what the C core would refuse, before any call."""
+        for i, p in enumerate(self.params):
+            name = self.names[i]
+            if not p.is_contiguous():
+                raise BufferError(f"params[{i}]: not contiguous ({name})")
+            tensors = [self.grads[i], self.exp_avgs[i], self.exp_avg_sqs[i]]
+            if self.amsgrad:
+                tensors.append(self.max_exp_avg_sqs[i])
+            for t in tensors:
+                if t.shape != p.shape or t.dtype != p.dtype or t.device != p.device:
+                    raise ValueError(f"{name}: state or gradient does not match the parameter "
+                                     f"(shape {tuple(t.shape)}, dtype {t.dtype}, {t.device})")
+            step = self.steps[i]
+            if step.dtype != torch.float32 or step.numel() != 1 or step.device != p.device:
+                raise ValueError(f"{name}: step must be a float32 scalar on {p.device}")
+
+
+class Plan:
+    """The Batch of a steady-state step, kept between steps: one device, every parameter with a
+    gradient and a state. A step then re-reads the gradients and the state tensors (either may
+    have been replaced) with C-level maps instead of the per-tensor Python work of a full
+    collection, most of the host time of a step over many small tensors. Valid while the groups
+    hold the same parameter objects (checked by identity every step) and the state dict is the
+    one it was built from."""
+
+    def __init__(self, optimizer, batch):
+        self.batch = batch
+        self.state = optimizer.state
+        self.n_state = len(optimizer.state)
+        self.groups = [(g, g["params"], list(g["params"]), bool(g["amsgrad"]))
+                       for g in optimizer.param_groups]
+
+    def matches(self, optimizer):
+        groups = optimizer.param_groups
+        if (optimizer.state is not self.state or len(self.state) != self.n_state
+                or len(groups) != len(self.groups)):
+            return False
+        for group, (built, listed, params, amsgrad) in zip(groups, self.groups):
+            current = group["params"]
+            if (group is not built or current is not listed or len(current) != len(params)
+                    or bool(group["amsgrad"]) != amsgrad
+                    or not all(map(operator.is_, current, params))):
+                return False
+        return True
+
+    def grads(self):
+        """Every parameter's current gradient, or None when one is missing."""
+        grads = [p.grad for p in self.batch.params]
+        return None if any(map(_IS_NONE, grads)) else grads
+
+    def refresh(self, grads):
+        """The batch with these gradients and the state tensors read again (KeyError when an
+        entry lost a key)."""
+        batch = self.batch
+        states = list(map(self.state.__getitem__, batch.params))
+        batch.grads = grads
+        batch.exp_avgs = list(map(_EXP_AVG, states))
+        batch.exp_avg_sqs = list(map(_EXP_AVG_SQ, states))
+        batch.steps = list(map(_STEP, states))
+        if batch.amsgrad:
+            batch.max_exp_avg_sqs = list(map(_MAX_EXP_AVG_SQ, states))
+        return batch
