@@ -1,6 +1,7 @@
-"""DeepNestedOptimizer on CUDA: no host sync inside step() (eager and graph mode), graph mode
-matching eager over 100 steps with zero_grad(set_to_none=True) between steps, and graph mode
-resuming after load_state_dict. Skipped without CUDA."""
+"""DeepNestedOptimizer on CUDA: no host sync inside step() (eager and graph mode, AdamW and CMS
+mode), graph mode matching eager over 100 steps with zero_grad(set_to_none=True) between steps
+(and over 30 in CMS mode), and graph mode resuming after load_state_dict. Skipped without
+CUDA."""
 
 import copy
 
@@ -32,12 +33,14 @@ def _train(model, opt, batches, set_to_none=True):
     return torch.stack(losses)
 
 
+@pytest.mark.parametrize("cms", [False, True], ids=["adamw", "cms"])
 @pytest.mark.parametrize("graph", [False, True])
-def test_step_makes_no_host_sync(graph):
+def test_step_makes_no_host_sync(graph, cms):
+    """Steps 6-12: in CMS mode step 10 also runs Phase 1 (the surrogate training, every 5)."""
     model = _model()
     opt = titanmac_c.DeepNestedOptimizer(model, use_cuda_graph=graph, cuda_graph_warmup_steps=2,
-                                         **KW)
-    batches = synthetic_batches("titanmac", 10, seed=0, device="cuda")
+                                         use_cms_updates=cms, **KW)
+    batches = synthetic_batches("titanmac", 12, seed=0, device="cuda")
     _train(model, opt, batches[:5])  # warm-up (and capture, in graph mode)
     torch.cuda.synchronize()
     for batch in batches[5:]:
@@ -91,3 +94,28 @@ def test_graph_mode_resumes_after_load_state_dict():
     _train(model_b, part, batches[15:])
     for a, b in zip(model_a.parameters(), model_b.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_graph_mode_matches_eager_in_cms_mode():
+    """CMS mode (DirectUpdateMLP, Phase 1 every 5 steps) captured and replayed after the warm-up
+    against eager: losses, parameters and every level's momentum."""
+    model_e = _model()
+    model_g = copy.deepcopy(model_e)
+    eager = titanmac_c.DeepNestedOptimizer(model_e, use_cms_updates=True, **KW)
+    graph = titanmac_c.DeepNestedOptimizer(model_g, use_cms_updates=True, use_cuda_graph=True,
+                                           **KW)
+    graph.controller.load_state_dict(eager.controller.state_dict())
+    graph.momentum_mlp.load_state_dict(eager.momentum_mlp.state_dict())
+    batches = synthetic_batches("titanmac", 30, seed=3, device="cuda")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        losses_e = _train(model_e, eager, batches)
+        losses_g = _train(model_g, graph, batches)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    torch.testing.assert_close(losses_g, losses_e, rtol=1e-5, atol=1e-6)
+    for a, b in zip(model_g.parameters(), model_e.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    for p_g, p_e in zip(model_g.parameters(), model_e.parameters()):
+        for m_g, m_e in zip(graph.state[p_g]["momentum"], eager.state[p_e]["momentum"]):
+            torch.testing.assert_close(m_g, m_e, rtol=1e-4, atol=1e-6)
