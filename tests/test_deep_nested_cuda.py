@@ -54,16 +54,19 @@ def test_step_makes_no_host_sync(graph, cms):
             torch.cuda.set_sync_debug_mode(0)
 
 
-def test_graph_mode_matches_eager_over_100_steps():
+def _eager_and_graph(steps, seed, **kw):
+    """The same model trained eagerly and in graph mode from the same networks; returns both
+    models, both optimizers and both loss curves. The optimizer's kernels are the same in both
+    modes; the backward's are not bitwise repeatable (the embedding's gradient adds with
+    atomics), so torch's deterministic kernels are asked for where it has them, and the
+    comparisons allow the last-bit drift of what remains."""
     model_e = _model()
     model_g = copy.deepcopy(model_e)
-    eager = titanmac_c.DeepNestedOptimizer(model_e, **KW)
-    graph = titanmac_c.DeepNestedOptimizer(model_g, use_cuda_graph=True, **KW)
+    eager = titanmac_c.DeepNestedOptimizer(model_e, **KW, **kw)
+    graph = titanmac_c.DeepNestedOptimizer(model_g, use_cuda_graph=True, **KW, **kw)
     graph.controller.load_state_dict(eager.controller.state_dict())
-    batches = synthetic_batches("titanmac", 100, seed=2, device="cuda")
-    # The optimizer's kernels are the same in both modes; the backward's are not bitwise
-    # repeatable (the embedding's gradient adds with atomics), so ask torch for its deterministic
-    # kernels where it has them and allow the last-bit drift of 100 steps of what remains.
+    graph.momentum_mlp.load_state_dict(eager.momentum_mlp.state_dict())
+    batches = synthetic_batches("titanmac", steps, seed=seed, device="cuda")
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
         losses_e = _train(model_e, eager, batches)
@@ -74,6 +77,11 @@ def test_graph_mode_matches_eager_over_100_steps():
     torch.testing.assert_close(losses_g, losses_e, rtol=1e-5, atol=1e-6)
     for a, b in zip(model_g.parameters(), model_e.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    return model_e, eager, model_g, graph
+
+
+def test_graph_mode_matches_eager_over_100_steps():
+    model_e, eager, model_g, graph = _eager_and_graph(100, seed=2)
     torch.testing.assert_close(graph.get_lr_multipliers(), eager.get_lr_multipliers())
     for p_g, p_e in zip(model_g.parameters(), model_e.parameters()):
         assert float(graph.base_optimizer.state[p_g]["step"]) == 100.0
@@ -99,23 +107,7 @@ def test_graph_mode_resumes_after_load_state_dict():
 def test_graph_mode_matches_eager_in_cms_mode():
     """CMS mode (DirectUpdateMLP, Phase 1 every 5 steps) captured and replayed after the warm-up
     against eager: losses, parameters and every level's momentum."""
-    model_e = _model()
-    model_g = copy.deepcopy(model_e)
-    eager = titanmac_c.DeepNestedOptimizer(model_e, use_cms_updates=True, **KW)
-    graph = titanmac_c.DeepNestedOptimizer(model_g, use_cms_updates=True, use_cuda_graph=True,
-                                           **KW)
-    graph.controller.load_state_dict(eager.controller.state_dict())
-    graph.momentum_mlp.load_state_dict(eager.momentum_mlp.state_dict())
-    batches = synthetic_batches("titanmac", 30, seed=3, device="cuda")
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
-        losses_e = _train(model_e, eager, batches)
-        losses_g = _train(model_g, graph, batches)
-    finally:
-        torch.use_deterministic_algorithms(False)
-    torch.testing.assert_close(losses_g, losses_e, rtol=1e-5, atol=1e-6)
-    for a, b in zip(model_g.parameters(), model_e.parameters()):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    model_e, eager, model_g, graph = _eager_and_graph(30, seed=3, use_cms_updates=True)
     for p_g, p_e in zip(model_g.parameters(), model_e.parameters()):
         for m_g, m_e in zip(graph.state[p_g]["momentum"], eager.state[p_e]["momentum"]):
             torch.testing.assert_close(m_g, m_e, rtol=1e-4, atol=1e-6)
