@@ -32,7 +32,12 @@ from setuptools.command.build_ext import build_ext
 
 C_DIRS = ["csrc/common", "csrc/core", "csrc/cpu", "csrc/python"]
 INCLUDE_DIRS = ["csrc/include", "csrc/common", "csrc/cpu", "csrc/cuda", "csrc/core", "csrc/python"]
-C_FLAGS = ["-std=c11", "-O3", "-Wall", "-Wextra", "-fvisibility=hidden", "-fno-math-errno"]
+# -fno-trapping-math: we never enable FP traps, and without it GCC will not if-convert a float
+# select (cond ? a : b) whose arm it sank into a branch, so a loop holding one stops vectorizing
+# (the CMS exp's clamps, 14% of a CMS step). It changes no result: no reassociation, no
+# contraction (ISO C11 keeps -ffp-contract=off).
+C_FLAGS = ["-std=c11", "-O3", "-Wall", "-Wextra", "-fvisibility=hidden", "-fno-math-errno",
+           "-fno-trapping-math"]
 NVCC_FLAGS = ["-std=c++17", "-O3", "-lineinfo", "-Xcompiler", "-fPIC",
               "-Xcompiler", "-fvisibility=hidden"]
 DEFAULT_ARCHS = "75;80;86;89;90;120"
