@@ -102,9 +102,7 @@ def make_params(sizes, device):
 
 
 def make_case(params, kind):
-    """An optimizer of the given kind over params. Every variant of a shape set shares one set
-    of params and grads (each keeps its own state): seven copies of a 1B model would not fit
-    in 80 GB, and the values they step do not change the time of a step."""
+    """An optimizer of the given kind over params (see shared_params for when variants share)."""
     big = [p for p in params if p.numel() >= 4096]
     small = [p for p in params if p.numel() < 4096]
     groups = [{"params": big}, {"params": small}] if small and big else [{"params": params}]
@@ -198,13 +196,25 @@ def host_time_and_launches(fn, device, reps=21):
     return host, launches
 
 
+def shared_params(total, n_variants, device):
+    """Whether the variants of a shape set share one set of params and grads (each keeps its own
+    state): only where separate ones would not fit in half the GPU's free memory (a 1B model
+    seven times over does not fit in 80 GB). Otherwise each variant gets its own, so that none
+    finds the arrays another just stepped in a cache."""
+    if device.type != "cuda":
+        return False
+    free, _ = torch.cuda.mem_get_info(device)
+    return 16 * total * n_variants > free // 2  # params + grads + exp_avg + exp_avg_sq, fp32
+
+
 def bench_shape(name, device, reps, timer):
     sizes = named_sizes(name)
     total, count = sum(sizes), len(sizes)
     cases = {}
-    shared = make_params(sizes, device)
-    for what, kind in variants_for(device):
-        params, opt = make_case(shared, kind)
+    variants = variants_for(device)
+    shared = make_params(sizes, device) if shared_params(total, len(variants), device) else None
+    for what, kind in variants:
+        params, opt = make_case(shared or make_params(sizes, device), kind)
         fn = step_fn(kind, params, opt, what)
         fn()  # warm-up: creates state
         cases[(what, kind)] = fn
