@@ -9,6 +9,8 @@
 #        OUT                  folder for logs and JSON (default benchmarks/out)
 #        STEPS                which checks to run, in order (default: all of
 #                             "build tests memcheck racecheck bench host train train_cms profile")
+#        PACK=1               at the end, pack every file in OUT but summary.txt into
+#                             OUT/gpu_check.tar.gz (a lent machine returns only a few files)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/out}
@@ -54,13 +56,21 @@ step train_cms python3 benchmarks/bench_train.py --device cuda --mode cms --step
 step profile python3 benchmarks/profile_step.py --device cuda --sizes titanmac,d1024l8 \
     --out "$OUT/profile_step_cuda.json"
 
-echo
-echo "=== summary ($(date -u +%Y-%m-%d), $(head -n1 "$OUT/gpu.txt"))"
-printf '%-10s %s\n' check result
 status=0
+{
+    echo
+    echo "=== summary ($(date -u +%Y-%m-%d), $(head -n1 "$OUT/gpu.txt"))"
+    printf '%-10s %s\n' check result
+    for name in $STEPS; do
+        printf '%-10s %s\n' "$name" "${RESULT[$name]:-not run}"
+    done
+    [ -f "$OUT/tests.log" ] && grep -E "passed|failed|skipped" "$OUT/tests.log" | tail -n1
+} | tee "$OUT/summary.txt"
 for name in $STEPS; do
-    printf '%-10s %s\n' "$name" "${RESULT[$name]:-not run}"
     [ "${RESULT[$name]:-}" = pass ] || status=1
 done
-[ -f "$OUT/tests.log" ] && grep -E "passed|failed|skipped" "$OUT/tests.log" | tail -n1
+if [ "${PACK:-0}" = 1 ]; then
+    (cd "$OUT" && find . -type f ! -name summary.txt ! -name gpu_check.tar.gz -print0 \
+        | tar --null -czf gpu_check.tar.gz --remove-files -T -)
+fi
 exit $status
