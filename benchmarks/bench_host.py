@@ -12,28 +12,22 @@ Usage: python benchmarks/bench_host.py [--device cpu|cuda] [--counts 48,1000] [-
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.join(HERE, "..", "tests")]
 import titanmac_c  # noqa: E402
+from bench_step import enqueue_seconds  # noqa: E402
 from dno_models import make_titanmac_like_model  # noqa: E402
 
 
 def _median_us(fn, device, steps, warmup=50):
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(steps):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        fn()  # enqueue only: no sync inside the timed region
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e6
+    return enqueue_seconds(fn, device, steps) * 1e6
 
 
 def adamw_rows(count, device, steps):

@@ -174,19 +174,25 @@ def variants_for(device):
             + [("clip+adamw", k) for k in ("titanmac_c", "torch_fused")])
 
 
-def host_time_and_launches(fn, device, reps=21):
-    """CUDA: seconds to enqueue one step (no sync; median of reps, each from an idle device) and
-    kernel launches in it."""
-    if device.type != "cuda":
-        return None, None
-    hosts = []
+def enqueue_seconds(fn, device, reps):
+    """Median host time of fn() over reps calls, each started from an idle device and not
+    waiting for it (on CUDA, the time to enqueue the work)."""
+    times = []
     for _ in range(reps):
-        torch.cuda.synchronize()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         t0 = time.perf_counter()
         fn()
-        hosts.append(time.perf_counter() - t0)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def host_time_and_launches(fn, device, reps=21):
+    """CUDA: seconds to enqueue one step (median of reps) and kernel launches in it."""
+    if device.type != "cuda":
+        return None, None
+    host = enqueue_seconds(fn, device, reps)
     torch.cuda.synchronize()
-    host = statistics.median(hosts)
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:
         fn()

@@ -219,13 +219,15 @@ def test_buffers_not_kept_change_nothing_else(device, net, dtype):
         full.step(grads, t, coef)
         lean.step(grads, t, coef)
         ref_step(ref, params, group_of, grads, t, coef)
-    assert all(torch.equal(a, b) for a, b in zip(full.params, lean.params))
+
+    def same(xs, ys):
+        return all(torch.equal(a, b) for a, b in zip(xs, ys, strict=True))
+
+    assert same(full.params, lean.params) and same(full.steps, lean.steps)
     for key in ("momentum", "accumulated_grad"):
         for l in range(full.K):
-            assert all(torch.equal(a, b) for a, b in zip(full.state[key][l], lean.state[key][l]))
-    assert all(torch.equal(a, b) for a, b in zip(full.state["ema_grad"][0],
-                                                  lean.state["ema_grad"][0]))
-    assert all(torch.equal(a, b) for a, b in zip(full.steps, lean.steps))
+            assert same(full.state[key][l], lean.state[key][l]), f"{key}[{l}]"
+    assert same(full.state["ema_grad"][0], lean.state["ema_grad"][0])
     for i, p in enumerate(params):
         e0 = ref.state[p].levels[0].ema_grad.reshape(-1)
         close(lean.state["ema_grad"][0][i], e0, 1e-6, 1e-6, f"ema_grad[0][{i}]")

@@ -13,7 +13,8 @@ from ._runtime import exec_kwargs, norms_scratch
 
 class ControlStepMixin:
     """Needs from the optimizer: base_optimizer, controller, device, the device buffers _norms,
-    _loss, _lr_multipliers, ema_loss, _lr, _coef, skipped, and the hyperparameters it passes."""
+    _loss, _lr_multipliers, ema_loss, _lr, _coef, skipped, the hyperparameters it passes, and
+    _controller_views = None (the cache of _controller_weights)."""
 
     def _gather(self, with_params):
         """Grads (and params) of the grouped tensors that have a gradient, with group indices;
@@ -73,7 +74,7 @@ class ControlStepMixin:
     def _controller_weights(self):
         """Detached views of the controller's weights, rebuilt only when the module was replaced
         or a weight's storage moved (meta-updates and load_state_dict write in place)."""
-        cached = self.__dict__.get("_controller_views")
+        cached = self._controller_views
         if cached is None or cached[0] is not self.controller:
             cached = (self.controller, list(self.controller.parameters()), None)
         module, params, views = cached

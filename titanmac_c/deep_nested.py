@@ -161,6 +161,7 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin):
         self._mlp_output_history = {}  # tensor index -> last Phase-1 output (not checkpointed)
         self._last_surrogate_loss = None
         self._cms_scratch = Scratch()
+        self._controller_views = None  # (module, its parameters, their detached views)
         self.global_step = 0
         self.last_meta_loss = None
         self.controller_grad_norm = 0.0

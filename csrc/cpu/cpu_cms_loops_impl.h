@@ -54,6 +54,14 @@ cms_sumsq(double *restrict acc, const float *restrict x, int64_t n)
     }
 }
 
+/* Element i's e and v updates of level l, into the buffers the caller keeps (NULL: not kept). */
+CPU_INLINE void
+cms_ema_elem(const cpu_cms_block *b, int l, int64_t i, float gh)
+{
+    tm_cms_ema_elem(b->ema[l] != NULL ? &b->ema[l][i] : NULL,
+                    b->vsq[l] != NULL ? &b->vsq[l][i] : NULL, gh, b->c, l);
+}
+
 /* ---------------------------------------------------------------- DIRECT tiles ---- */
 
 typedef struct {
@@ -181,8 +189,7 @@ cms_direct_level(const cpu_cms_block *b, int l, tm_dtype dt, double (*sums)[CPU_
     }
     for (int64_t i = full; i < b->n; i++) {
         const float gh = tm_cms_level_grad(b->acc[l][i], cms_grad(b, i, dt), b->c->div[l]);
-        tm_cms_ema_elem(b->ema[l] != NULL ? &b->ema[l][i] : NULL,
-                        b->vsq[l] != NULL ? &b->vsq[l][i] : NULL, gh, b->c, l);
+        cms_ema_elem(b, l, i, gh);
         const float d = tm_cms_direct_delta(b->net, gh, b->m[l][i]);
         const float mp = tm_fadd(tm_fmul(b->c->mom_keep, b->m[l][i]), tm_fmul(b->c->mom_take, d));
         b->m[l][i] = mp;
@@ -201,8 +208,7 @@ CPU_INLINE float
 cms_legacy_elem(const cpu_cms_block *b, int l, int64_t i, float ca, float cb, tm_dtype dt)
 {
     const float gh = tm_cms_level_grad(b->acc[l][i], cms_grad(b, i, dt), b->c->div[l]);
-    tm_cms_ema_elem(b->ema[l] != NULL ? &b->ema[l][i] : NULL,
-                    b->vsq[l] != NULL ? &b->vsq[l][i] : NULL, gh, b->c, l);
+    cms_ema_elem(b, l, i, gh);
     const float mp = tm_fadd(tm_fmul(ca, b->m[l][i]), tm_fmul(cb, gh));
     b->m[l][i] = mp;
     b->acc[l][i] = 0.0f;
