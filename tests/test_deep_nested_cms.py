@@ -17,7 +17,7 @@ import torch
 
 import titanmac_c
 from titanmac_c._reference_dno import ReferenceDeepNestedOptimizer
-from conftest import DEVICES
+from conftest import DEVICES, STATE_NMSE, assert_nmse_close
 from dno_models import loss_fn, make_mlp_10_32_5, synthetic_batches
 
 PARAM_TOL = dict(rtol=1e-4, atol=1e-6)
@@ -30,18 +30,8 @@ NAN_GRAD_STEP = 37
 # direct network runs free for 50 steps, and over 250 steps each step starts from the reference's
 # state (parameters, CMS buffers, MLP and its optimizer: _sync_from_reference), which checks
 # every step's computation on 250 evolving states, level-2 firings and the NaN step included.
-# Momenta and accumulators are compared by normalized squared error over the tensor (as ggml's
-# test-backend-ops does), parameters element-wise.
-STATE_NMSE = 1e-6
-
-
-def _assert_state_close(actual, expected, what):
-    a, e = actual.double(), expected.double()
-    finite = torch.isfinite(e)
-    assert torch.equal(torch.isfinite(a), finite), f"{what}: non-finite elements differ"
-    err = (a[finite] - e[finite]).pow(2).sum()
-    ref = e[finite].pow(2).sum().clamp(min=1e-30)
-    assert float(err / ref) <= STATE_NMSE, f"{what}: NMSE {float(err / ref):.3e}"
+# Momenta and accumulators are compared by normalized squared error over the tensor
+# (conftest.assert_nmse_close), parameters element-wise.
 
 
 def _pair(device, **kw):
@@ -90,8 +80,8 @@ def _compare(ref, ours, model_ref, model_ours, step):
                                    msg=lambda m: f"step {step} {name}: {m}")
         st = ours.state[po]
         for level, lvl in enumerate(ref.state[pr].levels):
-            _assert_state_close(st["momentum"][level], lvl.momentum, f"step {step} {name} m{level}")
-            _assert_state_close(st["accumulated_grad"][level], lvl.accumulated_grad,
+            assert_nmse_close(st["momentum"][level], lvl.momentum, f"step {step} {name} m{level}")
+            assert_nmse_close(st["accumulated_grad"][level], lvl.accumulated_grad,
                                 f"step {step} {name} A{level}")
             assert float(st["step_count"][level]) == lvl.step_count, (step, name, level)
     torch.testing.assert_close(ours.get_lr_multipliers(), ref.get_lr_multipliers(), rtol=1e-5,
@@ -103,11 +93,6 @@ def _compare(ref, ours, model_ref, model_ours, step):
 @pytest.mark.parametrize("freqs", [[1, 10, 100], [1, 5, 50]], ids=["f1-10-100", "f1-5-50"])
 @pytest.mark.parametrize("wd", [0.0, 0.01], ids=["wd0", "wd0.01"])
 def test_cms_parity_250_steps(device, preprocessing, freqs, wd):
-    if device == "cuda" and not preprocessing:
-        # refused until its kernel passes test_cms_op on a GPU (see DeepNestedOptimizer)
-        with pytest.raises(NotImplementedError, match="legacy"):
-            _pair(device, cms_frequencies=freqs, use_preprocessing=False, weight_decay=wd)
-        return
     steps = 250
     (model_r, ref), (model_o, ours) = _pair(
         device, cms_frequencies=freqs, use_preprocessing=preprocessing, weight_decay=wd,

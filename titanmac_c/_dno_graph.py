@@ -3,7 +3,7 @@ its update): after `cuda_graph_warmup_steps` eager steps, the C calls of a step 
 CUDA graph, one per kind of step (controller or not; in CMS mode, which levels fire), and
 replayed. The gradients live in static buffers (zero_grad zeroes them in place; a gradient that
 was reallocated anyway is copied in), base_lr reaches the graph through a device tensor, and a
-reload re-captures (B8, B9, B10 fixed). Not yet run on a GPU.
+reload re-captures (B8, B9, B10 fixed). Tested on an H100 against eager, AdamW and CMS modes.
 """
 
 import warnings

@@ -126,12 +126,6 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin):
         if not params:
             raise ValueError("model has no parameters that require gradients")
         self.device = params[0].device
-        if self.use_cms_updates and not self.use_preprocessing and self.device.type == "cuda":
-            raise NotImplementedError(
-                "use_cms_updates=True with use_preprocessing=False (the legacy "
-                "L2RegressionMomentum network) is not supported on CUDA yet: its kernel gave NaN "
-                "coefficients on an H100 (2026-11-22) and the fix has not run on a GPU. Use "
-                "use_preprocessing=True (the default) or train on the CPU.")
         self.n_groups = N_GROUPS
 
         # spec 2.1 objects, in the reference's order (CMS state only in CMS mode: B11 fixed)

@@ -50,17 +50,19 @@ cms_warp_tensor(const cms_meta &meta, const cms_params &p, int32_t *s, int64_t *
     return true;
 }
 
-/* One (tensor, level) of the legacy network, lane 0 of the warp: stats -> network -> (a, b, 1 - d).
- * Not inlined, and fed plain pointers (weights copied out of the kernel parameters): inlined
- * into the kernel, the first GPU run computed NaN coefficients (right ones once a printf was
- * added beside the call), so the network runs behind a call boundary as it did then. */
-static __device__ __noinline__ void
-cms_legacy_level(tm_cms_level_out *o, const double *v, float km, float kg, int64_t numel,
-                 const float *const *w, int32_t hidden, int32_t layers, float *in, float *act)
+/* c.div[l] through constant indices only. On an H100 (CUDA 13.0 toolchain, 2026-11-22) this
+ * kernel read c.div[l] with a run-time l from its __grid_constant__ parameter as 0.0, in lane 0's
+ * branch (the element kernels' same read is right): g^[0] / 0 made the shift kg infinite and
+ * every coefficient NaN, and any change of code shape (a printf) could hide it. */
+static __device__ __forceinline__ float
+cms_level_div(const tm_cms_consts &c, int l)
 {
-    tm_cms_stats(v, km, numel, in);
-    tm_cms_stats(v + 3, kg, numel, in + 3);
-    tm_cms_legacy_coeffs(o, w, hidden, layers, in, act);
+    float d = 1.0f;
+#pragma unroll
+    for (int k = 0; k < TM_CMS_MAX_LEVELS; k++) {
+        d = k == l ? c.div[k] : d;
+    }
+    return d;
 }
 
 __global__ void __launch_bounds__(32 * TM_CMS_WARPS)
@@ -71,9 +73,8 @@ cms_coeffs_kernel(const __grid_constant__ cms_meta meta, const __grid_constant__
     if (cms_skipped(p) || !cms_warp_tensor(meta, p, &s, &c0, &c1)) {
         return; /* uniform per warp */
     }
-    /* The network's input and activations per warp in shared memory, not in a 2 KB per-thread
-     * local array: the first GPU run computed NaN coefficients with the local array (and right
-     * ones once a printf changed the code), so nothing of it stays on the stack. */
+    /* The network's input, activations and weight pointers per warp in shared memory: only lane
+     * 0 evaluates the network, so per-thread local arrays would reserve them 32 times. */
     __shared__ float s_in[TM_CMS_WARPS][TM_CMS_LEGACY_IN];
     __shared__ float s_act[TM_CMS_WARPS][2 * TM_CMS_LEGACY_MAX_HIDDEN];
     __shared__ const float *s_w[TM_CMS_WARPS][2 * TM_CMS_MAX_LAYERS + 3];
@@ -101,10 +102,12 @@ cms_coeffs_kernel(const __grid_constant__ cms_meta meta, const __grid_constant__
             const float *acc = cms_state(meta, CMS_ROLE_ACC, l, s);
             const float km = numel > 0 ? m[0] : 0.0f;
             const float kg = numel > 0 ? tm_cms_level_grad(acc[0], cms_grad(meta, s, 0, scale),
-                                                           p.c.div[l])
+                                                           cms_level_div(p.c, l))
                                        : 0.0f;
-            cms_legacy_level(&p.lv[(int64_t)meta.index[s] * p.c.levels + l], v, km, kg, numel,
-                             w, p.hidden, p.layers, in, act);
+            tm_cms_stats(v, km, numel, in);
+            tm_cms_stats(v + 3, kg, numel, in + 3);
+            tm_cms_legacy_coeffs(&p.lv[(int64_t)meta.index[s] * p.c.levels + l], w, p.hidden,
+                                 p.layers, in, act);
         }
         __syncwarp(); /* the next level's shuffles start from a converged warp */
     }
