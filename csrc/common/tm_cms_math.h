@@ -15,8 +15,10 @@
  * Every float operation is the one torch performs, in torch's order, each rounded once:
  * tm_fmul / tm_fadd / tm_fdiv never contract into an FMA (nvcc would; ISO C on the host does
  * not), and exp / log are our own branch-free polynomials (Cephes expf / logf, about 1 ulp), so
- * the CPU vectorizes them and CUDA computes the same bits. The one FMA is the last one, p + (-lr)
- * u, which torch's add_ fuses too (tm_fma). torch's own exp / log / matmul round differently in
+ * the CPU vectorizes them and CUDA computes the same bits. FMAs (tm_fma, correctly rounded on
+ * both backends) only where we choose them: in our exp's polynomial, and p + (-lr) u, which
+ * torch's add_ fuses too (on an x86-64 without FMA the generic loops call libm's fmaf there:
+ * same bits, slower). torch's own exp / log / matmul round differently in
  * the last bit, hence the tolerances of tests/test_cms_op.py. The Linear layers of the DIRECT
  * network sum in float in index order (acc = w0 x0; acc += wk xk; + bias) at the padded width
  * TM_CMS_DIRECT_MAX_HIDDEN (zero weights and biases past H: each padded term adds an exact +0),
@@ -114,9 +116,12 @@ tm_cms_select(int cond, float a, float b)
 /* ---------------------------------------------------------------- exp, log, SiLU ---- */
 
 /* e^x (Cephes expf): n = round(x / ln 2) by the 1.5 * 2^23 trick, r = x - n ln 2 in two parts,
- * a degree-6 polynomial, times 2^n as two normal powers of two (n in [-149, 128]). inf above
- * ln(FLT_MAX), 0 below -103 (true value < 2e-45), NaN stays NaN; no branch, no int conversion
- * of a NaN. */
+ * a degree-6 polynomial (Horner with FMAs: the CMS MLP's SiLU spends most of a CPU step here,
+ * and an FMA is one instruction where a multiply and an add are two roundings and two), times
+ * 2^n as two normal powers of two, 2^(n >> 1) 2^(n - (n >> 1)) (n in [-149, 128]; p times the
+ * first is exact, so which half is the floor does not matter, and the shift is cheaper than C's
+ * truncating division). inf above ln(FLT_MAX), 0 below -103 (true value < 2e-45), NaN stays
+ * NaN; no branch, no int conversion of a NaN. */
 TM_HOST_DEVICE float
 tm_cms_exp(float x)
 {
@@ -124,14 +129,14 @@ tm_cms_exp(float x)
     c = tm_cms_select(c < -103.0f, -103.0f, c);
     float n = tm_fadd(tm_fadd(tm_fmul(c, 1.44269502162933349609375f), 12582912.0f), -12582912.0f);
     float r = tm_fadd(tm_fadd(c, tm_fmul(n, -0.693359375f)), tm_fmul(n, 2.12194440e-4f));
-    float p = tm_fmuladd(1.9875691500e-4f, r, 1.3981999507e-3f);
-    p = tm_fmuladd(p, r, 8.3334519073e-3f);
-    p = tm_fmuladd(p, r, 4.1665795894e-2f);
-    p = tm_fmuladd(p, r, 1.6666665459e-1f);
-    p = tm_fmuladd(p, r, 5.0000001201e-1f);
-    p = tm_fadd(tm_fadd(tm_fmul(p, tm_fmul(r, r)), r), 1.0f);
+    float p = tm_fma(1.9875691500e-4f, r, 1.3981999507e-3f);
+    p = tm_fma(p, r, 8.3334519073e-3f);
+    p = tm_fma(p, r, 4.1665795894e-2f);
+    p = tm_fma(p, r, 1.6666665459e-1f);
+    p = tm_fma(p, r, 5.0000001201e-1f);
+    p = tm_fadd(tm_fma(p, tm_fmul(r, r), r), 1.0f);
     int32_t k = (int32_t)tm_cms_select(n == n, n, 0.0f);
-    int32_t k1 = k / 2;
+    int32_t k1 = k >> 1; /* arithmetic shift on every compiler we build with (GCC, Clang, nvcc) */
     float s1 = tm_cms_float((uint32_t)(k1 + 127) << 23);
     float s2 = tm_cms_float((uint32_t)(k - k1 + 127) << 23);
     float y = tm_fmul(tm_fmul(p, s1), s2);
