@@ -11,6 +11,9 @@
 #                             "build tests memcheck racecheck bench host train train_cms profile")
 #        PACK=1               at the end, pack every file in OUT but summary.txt into
 #                             OUT/gpu_check.tar.gz (a lent machine returns only a few files)
+#        SAN_K, RACE_K        pytest -k selections of memcheck and racecheck (defaults below)
+#        SAN_TIMEOUT          seconds each sanitizer may run (default: no limit); one stopped
+#                             there reports "timeout" with the tests it got through in its log
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/out}
@@ -24,7 +27,12 @@ step() {  # step NAME COMMAND...: run, log to $OUT/NAME.log, remember pass/fail
     local name=$1; shift
     case " $STEPS " in *" $name "*) ;; *) return 0 ;; esac
     echo "=== $name: $*"
-    if "$@" 2>&1 | tee "$OUT/$name.log"; then RESULT[$name]=pass; else RESULT[$name]=FAIL; fi
+    "$@" 2>&1 | tee "$OUT/$name.log"
+    case ${PIPESTATUS[0]} in
+        0) RESULT[$name]=pass ;;
+        124) RESULT[$name]=timeout ;;
+        *) RESULT[$name]=FAIL ;;
+    esac
 }
 
 if [ -z "${TITANMAC_CUDA_ARCHS:-}" ]; then
@@ -39,14 +47,22 @@ step tests python3 -P -m pytest -q -rfEs tests
 SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 # The sanitizers run the CUDA-parametrized tests only (the CPU ones do not touch the GPU), less
 # the long parity runs (hundreds of steps of the same kernels; 10-100x slower under a sanitizer).
-SAN_K=${SAN_K:-"cuda and not (300_steps or 250_steps or 100_steps or titanmac_like)"}
+SAN_K=${SAN_K:-"cuda and not (300_steps or 250_steps or 100_steps or 30_steps or titanmac_like)"}
+# racecheck takes ~20 s a test on an H100 (the whole SAN_K set would not fit a lent machine's
+# 10-minute call): one test family per kernel family, CMS (both networks) first.
+RACE_K=${RACE_K:-"cuda and (test_cpu_and_cuda_agree or test_group_norms_match_reference \
+or test_clip_grad_norm_matches_torch or test_parity_fp32_groups \
+or test_more_tensors_than_one_launch_holds or (test_dno_control and test_steps_match_reference))"}
+SAN_LIMIT=()
+[ -n "${SAN_TIMEOUT:-}" ] && SAN_LIMIT=(timeout "$SAN_TIMEOUT")
 # torch's caching allocator hides out-of-bounds accesses inside its pools from memcheck, so
 # PYTORCH_NO_CUDA_MEMORY_CACHING=1 gives every tensor its own allocation here.
 # Without the cache no tensor can be allocated inside a graph capture: memcheck skips the graph
 # tests (racecheck, with the cache, runs them).
-step memcheck env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$SAN" --tool memcheck --error-exitcode 1 \
-    python3 -P -m pytest -q -x -k "($SAN_K) and not graph" tests
-step racecheck "$SAN" --tool racecheck --error-exitcode 1 python3 -P -m pytest -q -x -k "$SAN_K" tests
+step memcheck env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "${SAN_LIMIT[@]}" "$SAN" --tool memcheck \
+    --error-exitcode 1 python3 -P -m pytest -q -x -k "($SAN_K) and not graph" tests
+step racecheck "${SAN_LIMIT[@]}" "$SAN" --tool racecheck --error-exitcode 1 \
+    python3 -P -m pytest -q -x -k "$RACE_K" tests/test_cms_op.py tests
 step bench python3 benchmarks/bench_step.py --device cuda --out "$OUT/bench_step_cuda.json"
 step host python3 benchmarks/bench_host.py --device cuda
 step train python3 benchmarks/bench_train.py --device cuda --steps 100 \
@@ -68,7 +84,7 @@ status=0
 } | tee "$OUT/summary.txt"
 for name in $STEPS; do
     [ "${RESULT[$name]:-}" = pass ] || status=1
-done
+done  # a timeout counts as not passed
 if [ "${PACK:-0}" = 1 ]; then
     (cd "$OUT" && find . -type f ! -name summary.txt ! -name gpu_check.tar.gz -print0 \
         | tar --null -czf gpu_check.tar.gz --remove-files -T -)
