@@ -69,9 +69,11 @@ def _sync_from_reference(ref, ours, model_ref, model_ours):
     ours.momentum_mlp.load_state_dict(ref.momentum_mlp.state_dict())
     if ref.mlp_optimizer is not None:
         ours.mlp_optimizer.load_state_dict(copy.deepcopy(ref.mlp_optimizer.state_dict()))
-        ours._mlp_output_history = {i: ref._mlp_output_history[id(p)].clone()
-                                    for i, p in enumerate(model_ref.parameters())
-                                    if id(p) in ref._mlp_output_history}
+        # ours keys the history by the tensor's place in group order, the reference by id
+        ours._mlp_output_history = {ours._cms.index[po]: ref._mlp_output_history[id(pr)].clone()
+                                    for pr, po in zip(model_ref.parameters(),
+                                                      model_ours.parameters())
+                                    if id(pr) in ref._mlp_output_history}
 
 
 def _compare(ref, ours, model_ref, model_ours, step):
@@ -118,6 +120,21 @@ def test_cms_direct_parity_without_resync_50_steps(freqs):
         _one_step(model_r, ref, batch, step)
         _one_step(model_o, ours, batch, step)
         _compare(ref, ours, model_r, model_o, step)
+
+
+def test_phase1_trains_the_mlp_to_the_reference_bits():
+    """Phase 1 takes one tensor's backward at a time (bounded memory) where the reference takes
+    one backward of the mean of all losses: from the same state (synced every step), the MLP
+    after each Phase 1 step has the reference's exact bits (6 tensors here)."""
+    (model_r, ref), (model_o, ours) = _pair("cpu")
+    for step, batch in enumerate(synthetic_batches("mlp", 15, seed=3), start=1):
+        _sync_from_reference(ref, ours, model_r, model_o)
+        _one_step(model_r, ref, batch, step, inject=False)
+        _one_step(model_o, ours, batch, step, inject=False)
+        if step % ours.mlp_train_freq == 0:
+            for (name, wr), wo in zip(ref.momentum_mlp.named_parameters(),
+                                      ours.momentum_mlp.parameters()):
+                assert torch.equal(wo, wr), f"step {step} momentum_mlp.{name}"
 
 
 def test_reference_itself_is_this_sensitive():
