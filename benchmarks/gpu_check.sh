@@ -5,10 +5,15 @@
 # torch version and this command.
 #
 # Usage: bash benchmarks/gpu_check.sh            (from the repository root; needs torch + nvcc)
+#        On a lent machine (10 minutes a call, 30 a session; H100 timings of 2026-11-22: build
+#        ~30 s, tests ~155 s, memcheck and racecheck ~5 and ~20 s a test), three calls:
+#          OUT=$OUT PACK=1 STEPS="build tests train_cms" bash benchmarks/gpu_check.sh
+#          OUT=$OUT PACK=1 STEPS="build racecheck memcheck" SAN_TIMEOUT=270 bash ...
+#          OUT=$OUT PACK=1 STEPS="build bench host train profile" bash ...
 # Env:   TITANMAC_CUDA_ARCHS  defaults to the compute capability of GPU 0 (fast build)
 #        OUT                  folder for logs and JSON (default benchmarks/out)
 #        STEPS                which checks to run, in order (default: all of
-#                             "build tests memcheck racecheck bench host train train_cms profile")
+#                             "build tests racecheck memcheck bench host train train_cms profile")
 #        PACK=1               at the end, pack every file in OUT but summary.txt into
 #                             OUT/gpu_check.tar.gz (a lent machine returns only a few files)
 #        SAN_K, RACE_K        pytest -k selections of memcheck and racecheck (defaults below)
@@ -20,7 +25,7 @@ OUT=${OUT:-benchmarks/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 declare -A RESULT
-ALL_STEPS="build tests memcheck racecheck bench host train train_cms profile"
+ALL_STEPS="build tests racecheck memcheck bench host train train_cms profile"
 STEPS=${STEPS:-$ALL_STEPS}
 
 step() {  # step NAME COMMAND...: run, log to $OUT/NAME.log, remember pass/fail
@@ -55,14 +60,13 @@ or test_clip_grad_norm_matches_torch or test_parity_fp32_groups \
 or test_more_tensors_than_one_launch_holds or (test_dno_control and test_steps_match_reference))"}
 SAN_LIMIT=()
 [ -n "${SAN_TIMEOUT:-}" ] && SAN_LIMIT=(timeout "$SAN_TIMEOUT")
-# torch's caching allocator hides out-of-bounds accesses inside its pools from memcheck, so
-# PYTORCH_NO_CUDA_MEMORY_CACHING=1 gives every tensor its own allocation here.
-# Without the cache no tensor can be allocated inside a graph capture: memcheck skips the graph
-# tests (racecheck, with the cache, runs them).
-step memcheck env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "${SAN_LIMIT[@]}" "$SAN" --tool memcheck \
-    --error-exitcode 1 python3 -P -m pytest -q -x -k "($SAN_K) and not graph" tests
 step racecheck "${SAN_LIMIT[@]}" "$SAN" --tool racecheck --error-exitcode 1 \
     python3 -P -m pytest -q -x -k "$RACE_K" tests/test_cms_op.py tests
+# torch's caching allocator hides out-of-bounds accesses inside its pools from memcheck, so
+# PYTORCH_NO_CUDA_MEMORY_CACHING=1 gives every tensor its own allocation here. Without the cache
+# no tensor can be allocated inside a graph capture: memcheck skips the graph tests.
+step memcheck env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "${SAN_LIMIT[@]}" "$SAN" --tool memcheck \
+    --error-exitcode 1 python3 -P -m pytest -q -x -k "($SAN_K) and not graph" tests
 step bench python3 benchmarks/bench_step.py --device cuda --out "$OUT/bench_step_cuda.json"
 step host python3 benchmarks/bench_host.py --device cuda
 step train python3 benchmarks/bench_train.py --device cuda --steps 100 \
