@@ -122,12 +122,13 @@ def test_cms_direct_parity_without_resync_50_steps(freqs):
         _compare(ref, ours, model_r, model_o, step)
 
 
-def test_phase1_trains_the_mlp_to_the_reference_bits():
+@pytest.mark.parametrize("device", DEVICES)
+def test_phase1_trains_the_mlp_to_the_reference_bits(device):
     """Phase 1 takes one tensor's backward at a time (bounded memory) where the reference takes
     one backward of the mean of all losses: from the same state (synced every step), the MLP
     after each Phase 1 step has the reference's exact bits (6 tensors here)."""
-    (model_r, ref), (model_o, ours) = _pair("cpu")
-    for step, batch in enumerate(synthetic_batches("mlp", 15, seed=3), start=1):
+    (model_r, ref), (model_o, ours) = _pair(device)
+    for step, batch in enumerate(synthetic_batches("mlp", 15, seed=3, device=device), start=1):
         _sync_from_reference(ref, ours, model_r, model_o)
         _one_step(model_r, ref, batch, step, inject=False)
         _one_step(model_o, ours, batch, step, inject=False)
