@@ -11,6 +11,7 @@ a subprocess that trains only one implementation (so neither counts the other's 
 to the bytes the optimizer keeps as state.
 
 Usage: python benchmarks/bench_train.py [--device cpu|cuda] [--mode adamw|cms] [--steps 60]
+                                        [--net direct|legacy] (CMS mode's momentum network)
                                         [--warmup 5] [--out benchmarks/out/bench_train.json]
 """
 
@@ -55,12 +56,13 @@ def state_bytes(opt):
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def train(kind, device, steps, warmup, batches, mode="adamw"):
+def train(kind, device, steps, warmup, batches, mode="adamw", net="direct"):
     torch.manual_seed(0)
     model = make_titanmac_like_model(seed=0).to(device)
     cls = ReferenceDeepNestedOptimizer if kind == "reference" else titanmac_c.DeepNestedOptimizer
     graph = dict(use_cuda_graph=True) if kind == "titanmac_c_graph" else {}
-    opt = cls(model, use_cms_updates=(mode == "cms"), **OPT_KW, **graph)
+    opt = cls(model, use_cms_updates=(mode == "cms"), use_preprocessing=(net == "direct"),
+              **OPT_KW, **graph)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     opt_times, losses = [], []
@@ -127,6 +129,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--mode", choices=("adamw", "cms"), default="adamw")
+    parser.add_argument("--net", choices=("direct", "legacy"), default="direct",
+                        help="CMS mode's momentum network: DirectUpdateMLP (use_preprocessing="
+                             "True, the default) or the legacy L2RegressionMomentum")
     parser.add_argument("--only", choices=IMPLS, help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=5)
@@ -135,17 +140,18 @@ def main(argv=None):
     device = torch.device(args.device)
     batches = synthetic_batches("titanmac", args.warmup + args.steps + 1, seed=0, device=device)
     if args.only:  # a child process: one implementation, its row as JSON on the last line
-        run = train(args.only, device, args.steps, args.warmup, batches, args.mode)
+        run = train(args.only, device, args.steps, args.warmup, batches, args.mode, args.net)
         run["launches"], run["syncs"] = launches_and_syncs(run, device, batches[-1])
         print(json.dumps({k: v for k, v in run.items() if k not in ("model", "opt")}))
         return
     rows = []
     for kind in IMPLS if device.type == "cuda" else IMPLS[:2]:
-        print(f"[bench_train] {kind}, {args.mode} mode, on {device} ...", file=sys.stderr,
+        print(f"[bench_train] {kind}, {args.mode} mode ({args.net}), on {device} ...", file=sys.stderr,
               flush=True)
         child = subprocess.run(
             [sys.executable, os.path.abspath(__file__), "--only", kind, "--device", args.device,
-             "--mode", args.mode, "--steps", str(args.steps), "--warmup", str(args.warmup)],
+             "--mode", args.mode, "--net", args.net, "--steps", str(args.steps),
+             "--warmup", str(args.warmup)],
             capture_output=True, text=True, check=True)
         rows.append(json.loads(child.stdout.strip().splitlines()[-1]))
     ref = rows[0]
@@ -160,7 +166,7 @@ def main(argv=None):
               f"(median), {ref['opt_mean_ms'] / ours['opt_mean_ms']:.1f}x (mean); "
               f"training speed-up {ours['steps_per_s'] / ref['steps_per_s']:.2f}x")
     meta = dict(device=str(device), torch=torch.__version__, titanmac_c=titanmac_c.__version__,
-                threads=torch.get_num_threads(), steps=args.steps, mode=args.mode,
+                threads=torch.get_num_threads(), steps=args.steps, mode=args.mode, net=args.net,
                 options=OPT_KW,
                 date=time.strftime("%Y-%m-%d"))
     if device.type == "cuda":
