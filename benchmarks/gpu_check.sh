@@ -12,8 +12,9 @@
 #          OUT=$OUT PACK=1 STEPS="build bench host train train_legacy profile" bash ...
 # Env:   TITANMAC_CUDA_ARCHS  defaults to the compute capability of GPU 0 (fast build)
 #        OUT                  folder for logs and JSON (default benchmarks/out)
-#        STEPS                which checks to run, in order (default: all of
-#                             "build tests racecheck memcheck bench host train train_cms train_legacy profile")
+#        STEPS                which checks to run, always in the script's order (default:
+#                             all: "build tests racecheck memcheck bench host train train_cms
+#                             train_legacy profile")
 #        PACK=1               at the end, pack every file in OUT but summary.txt into
 #                             OUT/gpu_check.tar.gz (a lent machine returns only a few files)
 #        SAN_K, RACE_K        pytest -k selections of memcheck and racecheck (defaults below)
