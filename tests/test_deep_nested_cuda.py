@@ -33,13 +33,15 @@ def _train(model, opt, batches, set_to_none=True):
     return torch.stack(losses)
 
 
-@pytest.mark.parametrize("cms", [False, True], ids=["adamw", "cms"])
+@pytest.mark.parametrize("mode", ["adamw", "cms", "cms_legacy"])
 @pytest.mark.parametrize("graph", [False, True])
-def test_step_makes_no_host_sync(graph, cms):
-    """Steps 6-12: in CMS mode step 10 also runs Phase 1 (the surrogate training, every 5)."""
+def test_step_makes_no_host_sync(graph, mode):
+    """Steps 6-12: in CMS mode with the DirectUpdateMLP step 10 also runs Phase 1 (the surrogate
+    training, every 5); the legacy network steps eagerly in graph mode too."""
     model = _model()
     opt = titanmac_c.DeepNestedOptimizer(model, use_cuda_graph=graph, cuda_graph_warmup_steps=2,
-                                         use_cms_updates=cms, **KW)
+                                         use_cms_updates=mode != "adamw",
+                                         use_preprocessing=mode != "cms_legacy", **KW)
     batches = synthetic_batches("titanmac", 12, seed=0, device="cuda")
     _train(model, opt, batches[:5])  # warm-up (and capture, in graph mode)
     torch.cuda.synchronize()
@@ -54,7 +56,7 @@ def test_step_makes_no_host_sync(graph, cms):
             torch.cuda.set_sync_debug_mode(0)
 
 
-def _eager_and_graph(steps, seed, **kw):
+def _eager_and_graph(steps, seed, captured=True, **kw):
     """The same model trained eagerly and in graph mode from the same networks; returns both
     models, both optimizers and both loss curves. The optimizer's kernels are the same in both
     modes; the backward's are not bitwise repeatable (the embedding's gradient adds with
@@ -73,7 +75,7 @@ def _eager_and_graph(steps, seed, **kw):
         losses_g = _train(model_g, graph, batches)
     finally:
         torch.use_deterministic_algorithms(False)
-    assert graph._graph is not None and graph._graph.captured
+    assert graph._graph is not None and graph._graph.captured == captured
     torch.testing.assert_close(losses_g, losses_e, rtol=1e-5, atol=1e-6)
     for a, b in zip(model_g.parameters(), model_e.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
@@ -110,6 +112,18 @@ def test_graph_mode_matches_eager_in_cms_mode():
     squared error (the backward's last-bit drift reaches the momenta through the sign feature:
     on an H100 one element of 196,608 was 4e-6 off after 30 steps)."""
     model_e, eager, model_g, graph = _eager_and_graph(30, seed=3, use_cms_updates=True)
+    for (name, p_g), p_e in zip(model_g.named_parameters(), model_e.parameters()):
+        for level, (m_g, m_e) in enumerate(zip(graph.state[p_g]["momentum"],
+                                               eager.state[p_e]["momentum"])):
+            assert_nmse_close(m_g, m_e, f"{name} momentum[{level}]")
+
+
+def test_graph_mode_with_the_legacy_network_steps_eagerly():
+    """use_cuda_graph=True with the legacy L2RegressionMomentum network: its context holds the
+    step number, so no step is captured and the run matches an eager one."""
+    model_e, eager, model_g, graph = _eager_and_graph(12, seed=4, captured=False,
+                                                      use_cms_updates=True,
+                                                      use_preprocessing=False)
     for (name, p_g), p_e in zip(model_g.named_parameters(), model_e.parameters()):
         for level, (m_g, m_e) in enumerate(zip(graph.state[p_g]["momentum"],
                                                eager.state[p_e]["momentum"])):
