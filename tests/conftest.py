@@ -4,10 +4,13 @@ CUDA tests run when the extension has the CUDA backend and torch sees a GPU; oth
 reported as skipped (never as passed).
 """
 
+import copy
+
 import pytest
 import torch
 
 import titanmac_c
+from titanmac_c._reference_dno import ReferenceDeepNestedOptimizer
 
 CUDA = titanmac_c.cuda_available()
 
@@ -89,3 +92,15 @@ def assert_nmse_close(actual, expected, what, nmse=STATE_NMSE):
     err = (a[finite] - e[finite]).pow(2).sum()
     ref = e[finite].pow(2).sum().clamp(min=1e-30)
     assert float(err / ref) <= nmse, f"{what}: NMSE {float(err / ref):.3e}"
+
+
+def reference_and_ours(model, **kw):
+    """((model, reference DeepNestedOptimizer), (a copy of model, ours)) with the same options,
+    ours given the reference's randomly initialized controller and momentum network so that both
+    start from the same state."""
+    model_ours = copy.deepcopy(model)
+    ref = ReferenceDeepNestedOptimizer(model, **kw)
+    ours = titanmac_c.DeepNestedOptimizer(model_ours, **kw)
+    ours.controller.load_state_dict(ref.controller.state_dict())
+    ours.momentum_mlp.load_state_dict(ref.momentum_mlp.state_dict())
+    return (model, ref), (model_ours, ours)

@@ -20,7 +20,7 @@ import torch
 
 import titanmac_c
 from titanmac_c._reference_dno import ReferenceDeepNestedOptimizer
-from conftest import DEVICES
+from conftest import DEVICES, reference_and_ours
 from dno_models import loss_fn, make_mlp_10_32_5, make_titanmac_like_model, synthetic_batches
 
 PARAM_TOL = dict(rtol=2e-4, atol=2e-6)
@@ -39,13 +39,7 @@ def _build(kind, device):
 
 
 def _pair(kind, device, **kw):
-    model_ref = _build(kind, device)
-    model_ours = copy.deepcopy(model_ref)
-    ref = ReferenceDeepNestedOptimizer(model_ref, **kw)
-    ours = titanmac_c.DeepNestedOptimizer(model_ours, **kw)
-    ours.controller.load_state_dict(ref.controller.state_dict())
-    ours.momentum_mlp.load_state_dict(ref.momentum_mlp.state_dict())
-    return (model_ref, ref), (model_ours, ours)
+    return reference_and_ours(_build(kind, device), **kw)
 
 
 def _one_step(model, opt, batch, step, tensor_loss=False):

@@ -17,7 +17,7 @@ import torch
 
 import titanmac_c
 from titanmac_c._reference_dno import ReferenceDeepNestedOptimizer
-from conftest import DEVICES, STATE_NMSE, assert_nmse_close
+from conftest import DEVICES, STATE_NMSE, assert_nmse_close, reference_and_ours
 from dno_models import loss_fn, make_mlp_10_32_5, synthetic_batches
 
 PARAM_TOL = dict(rtol=1e-4, atol=1e-6)
@@ -35,13 +35,7 @@ NAN_GRAD_STEP = 37
 
 
 def _pair(device, **kw):
-    model_ref = make_mlp_10_32_5(seed=0).to(device)
-    model_ours = copy.deepcopy(model_ref)
-    ref = ReferenceDeepNestedOptimizer(model_ref, use_cms_updates=True, **kw)
-    ours = titanmac_c.DeepNestedOptimizer(model_ours, use_cms_updates=True, **kw)
-    ours.controller.load_state_dict(ref.controller.state_dict())
-    ours.momentum_mlp.load_state_dict(ref.momentum_mlp.state_dict())
-    return (model_ref, ref), (model_ours, ours)
+    return reference_and_ours(make_mlp_10_32_5(seed=0).to(device), use_cms_updates=True, **kw)
 
 
 def _one_step(model, opt, batch, step, inject=True):

@@ -82,6 +82,15 @@ def _eager_and_graph(steps, seed, captured=True, **kw):
     return model_e, eager, model_g, graph
 
 
+def _assert_momenta_close(model_g, graph, model_e, eager):
+    """Every level's CMS momentum by normalized squared error (the backward's last-bit drift
+    reaches the momenta through the sign feature)."""
+    for (name, p_g), p_e in zip(model_g.named_parameters(), model_e.parameters()):
+        for level, (m_g, m_e) in enumerate(zip(graph.state[p_g]["momentum"],
+                                               eager.state[p_e]["momentum"])):
+            assert_nmse_close(m_g, m_e, f"{name} momentum[{level}]")
+
+
 def test_graph_mode_matches_eager_over_100_steps():
     model_e, eager, model_g, graph = _eager_and_graph(100, seed=2)
     torch.testing.assert_close(graph.get_lr_multipliers(), eager.get_lr_multipliers())
@@ -112,10 +121,7 @@ def test_graph_mode_matches_eager_in_cms_mode():
     squared error (the backward's last-bit drift reaches the momenta through the sign feature:
     on an H100 one element of 196,608 was 4e-6 off after 30 steps)."""
     model_e, eager, model_g, graph = _eager_and_graph(30, seed=3, use_cms_updates=True)
-    for (name, p_g), p_e in zip(model_g.named_parameters(), model_e.parameters()):
-        for level, (m_g, m_e) in enumerate(zip(graph.state[p_g]["momentum"],
-                                               eager.state[p_e]["momentum"])):
-            assert_nmse_close(m_g, m_e, f"{name} momentum[{level}]")
+    _assert_momenta_close(model_g, graph, model_e, eager)
 
 
 def test_graph_mode_with_the_legacy_network_steps_eagerly():
@@ -124,7 +130,4 @@ def test_graph_mode_with_the_legacy_network_steps_eagerly():
     model_e, eager, model_g, graph = _eager_and_graph(12, seed=4, captured=False,
                                                       use_cms_updates=True,
                                                       use_preprocessing=False)
-    for (name, p_g), p_e in zip(model_g.named_parameters(), model_e.parameters()):
-        for level, (m_g, m_e) in enumerate(zip(graph.state[p_g]["momentum"],
-                                               eager.state[p_e]["momentum"])):
-            assert_nmse_close(m_g, m_e, f"{name} momentum[{level}]")
+    _assert_momenta_close(model_g, graph, model_e, eager)
