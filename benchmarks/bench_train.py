@@ -145,9 +145,9 @@ def main(argv=None):
         print(json.dumps({k: v for k, v in run.items() if k not in ("model", "opt")}))
         return
     rows = []
+    label = f"{args.mode} mode" + (f" ({args.net} network)" if args.mode == "cms" else "")
     for kind in IMPLS if device.type == "cuda" else IMPLS[:2]:
-        print(f"[bench_train] {kind}, {args.mode} mode ({args.net}), on {device} ...", file=sys.stderr,
-              flush=True)
+        print(f"[bench_train] {kind}, {label}, on {device} ...", file=sys.stderr, flush=True)
         child = subprocess.run(
             [sys.executable, os.path.abspath(__file__), "--only", kind, "--device", args.device,
              "--mode", args.mode, "--net", args.net, "--steps", str(args.steps),
@@ -155,12 +155,12 @@ def main(argv=None):
             capture_output=True, text=True, check=True)
         rows.append(json.loads(child.stdout.strip().splitlines()[-1]))
     ref = rows[0]
-    print(f"{'impl':>16} {'steps/s':>8} {'opt ms/step':>12} {'mean ms':>8} {'launches':>9} {'syncs':>6} "
-          f"{'state MB':>9} {'peak MB':>8} {'final loss':>11}")
+    print(f"{'impl':>16} {'steps/s':>8} {'opt ms/step':>12} {'mean ms':>8} {'launches':>9} "
+          f"{'syncs':>6} {'state MB':>9} {'peak MB':>8} {'final loss':>11}")
     for r in rows:
-        print(f"{r['impl']:>16} {r['steps_per_s']:>8.2f} {r['opt_ms']:>12.3f} {r['opt_mean_ms']:>8.3f} "
-              f"{str(r['launches']):>9} {str(r['syncs']):>6} {r['state_mb']:>9.1f} "
-              f"{r['peak_mb']:>8.1f} {r['final_loss']:>11.5f}")
+        print(f"{r['impl']:>16} {r['steps_per_s']:>8.2f} {r['opt_ms']:>12.3f} "
+              f"{r['opt_mean_ms']:>8.3f} {str(r['launches']):>9} {str(r['syncs']):>6} "
+              f"{r['state_mb']:>9.1f} {r['peak_mb']:>8.1f} {r['final_loss']:>11.5f}")
     for ours in rows[1:]:
         print(f"{ours['impl']}: optimizer step speed-up {ref['opt_ms'] / ours['opt_ms']:.1f}x "
               f"(median), {ref['opt_mean_ms'] / ours['opt_mean_ms']:.1f}x (mean); "

@@ -122,7 +122,8 @@ def test_phase1_trains_the_mlp_to_the_reference_bits(device):
     one backward of the mean of all losses: from the same state (synced every step), the MLP
     after each Phase 1 step has the reference's exact bits (6 tensors here)."""
     (model_r, ref), (model_o, ours) = _pair(device)
-    for step, batch in enumerate(synthetic_batches("mlp", 15, seed=3, device=device), start=1):
+    batches = synthetic_batches("mlp", 15, seed=3, device=device)
+    for step, batch in enumerate(batches, start=1):
         _sync_from_reference(ref, ours, model_r, model_o)
         _one_step(model_r, ref, batch, step, inject=False)
         _one_step(model_o, ours, batch, step, inject=False)
