@@ -1,5 +1,6 @@
 """CMS mode of the DeepNestedOptimizer (spec section 7): the state it keeps, Phase 1 (surrogate
-training of DirectUpdateMLP, torch autograd without host syncs) and the checkpoint layout.
+training of DirectUpdateMLP: its gradient from the C core on the CPU, torch autograd without host
+syncs on CUDA) and the checkpoint layout.
 Phase 2, the parameter update, is one call of the C core (tm_cms_step).
 
 State per tensor and level l < K, of the reference's ContinuumMemoryState only what some
@@ -136,8 +137,9 @@ def surrogate_loss(output, target, prev_output=None):
     eps = 1e-8
     g_norm, o_norm = g.norm(), o.norm()
     g_ok, o_ok = g_norm > eps, o_norm > eps
-    # F.cosine_similarity divides by max(||o|| * ||g||, 1e-8); only used where both are > 1e-8
-    cos = (o * g).sum() / torch.clamp(o_norm * g_norm, min=eps)
+    # the reference's F.cosine_similarity (each norm clamped to >= eps, with no gradient through
+    # the clamp: finite on the zero target of B1, where the select drops it)
+    cos = torch.nn.functional.cosine_similarity(o, g, dim=0, eps=eps)
     direction = torch.where(g_ok & o_ok, 1.0 - cos, torch.zeros_like(cos))
     magnitude = torch.where(g_ok, (o_norm / torch.clamp(g_norm, min=eps) - 1.0) ** 2,
                             o_norm ** 2)
@@ -189,19 +191,69 @@ class CMSModeMixin:
 
     def _phase1(self, t):
         """Spec 7.2 Phase 1, every mlp_train_freq steps with DirectUpdateMLP: the surrogate
-        training on the first 20 tensors with a gradient, in torch autograd. Its input is the
-        level-0 accumulator, zero at this point in the reference (B1). The reference's branches
-        on norms are device-side selects, so this adds no host sync."""
+        training on the first 20 tensors with a gradient. Its input is the level-0 accumulator,
+        zero at this point in the reference (B1). On the CPU the loss's gradient comes from the
+        C core (tm_cms_surrogate); on CUDA from torch autograd, which is fast there."""
         if not self.use_preprocessing or t % self.mlp_train_freq != 0:
             return
         selected = select_phase1_tensors(self.base_optimizer.param_groups)
         if not selected:
             return
+        self.mlp_optimizer.zero_grad()
+        if self.device.type == "cpu":
+            total = self._phase1_fused(selected)
+        else:
+            total = self._phase1_autograd(selected)
+        # The reference's clip (torch ops, no host sync) and Adam step.
+        _fused_clip_grad_norm_(self.momentum_mlp.parameters(), META_GRAD_CLIP, inplace=True)
+        self.mlp_optimizer.step()
+        self._last_surrogate_loss = total.detach()
+
+    def _phase1_targets(self, selected):
+        """Per tensor what g^_0 is made of, and the scale: (targets, scale, divisor) with
+        g^_0 = target * scale / divisor."""
+        divisor = float(max(self.cms_frequencies[0], 1))
+        if self.fix_reference_bugs:  # B1 corrected: the current (clipped) gradient
+            return [p.grad.detach() for p in selected], self._coef, divisor
+        # B1: A_0 was reset by the last Phase 2, so this is zero
+        acc = self._cms.buffers["accumulated_grad"][0]
+        return [acc[self._cms.index[p]] for p in selected], None, divisor
+
+    def _phase1_fused(self, selected):
+        """The loss's gradient by the C core: one call over the selected tensors, the MLP's
+        .grad written (the mean over tensors, as the reference's backward of the stacked mean),
+        each tensor's output kept in place as the next call's previous output. The activations
+        are never stored: the reference's autograd holds [numel, H] floats per layer."""
         cms = self._cms
-        divisor = max(self.cms_frequencies[0], 1)
+        targets, scale, divisor = self._phase1_targets(selected)
+        idx = [cms.index[p] for p in selected]
+        history = self._mlp_output_history
+        has_prev = [i in history and history[i].shape == p.shape
+                    for i, p in zip(idx, selected)]
+        for i, p, prev in zip(idx, selected, has_prev):
+            if not prev:  # the first call on this tensor (or a history of another shape)
+                history[i] = torch.empty(p.shape, dtype=torch.float32, device=p.device)
+        weights = [w for w in self.momentum_mlp.parameters()]
+        for w in weights:
+            w.grad = torch.empty_like(w)
+        losses = torch.empty(len(selected), dtype=torch.float32, device=self.device)
+        _C.cms_surrogate(
+            targets, [cms.buffers["momentum"][0][i] for i in idx], [history[i] for i in idx],
+            [w.detach() for w in weights], [w.grad for w in weights], losses, divisor=divisor,
+            hidden=min(self.momentum_hidden_dim, DIRECT_MLP_MAX_HIDDEN),
+            layers=self.momentum_num_layers, has_prev=has_prev, scale=scale,
+            **exec_kwargs(self.device))
+        return losses.mean()
+
+    def _phase1_autograd(self, selected):
+        """The loss's gradient by torch autograd, with the reference's bits (tested on the CPU):
+        the DirectUpdateMLP dynamics amplify a 1-ulp difference in its weights (spec 7; measured
+        in tests/test_deep_nested_cms.py). The reference's branches on norms are device-side
+        selects, so this adds no host sync."""
+        cms = self._cms
+        targets, scale, divisor = self._phase1_targets(selected)
         n = len(selected)
         losses = [None] * n
-        self.mlp_optimizer.zero_grad()
         with torch.enable_grad():
             # The reference takes one backward of mean(stack(losses)), holding every tensor's
             # graph ([numel, H] activations per layer: ~1.3 GB on the 3.2M-parameter TitanMAC-like
@@ -210,24 +262,15 @@ class CMSModeMixin:
             # delivers the branches' weight gradients (highest sequence number first), so .grad
             # sums the same terms in the same order and the result has the same bits.
             for j in reversed(range(n)):
-                p = selected[j]
-                i = cms.index[p]
-                if self.fix_reference_bugs:  # B1 corrected: the current (clipped) gradient
-                    g0 = p.grad.detach().float() * self._coef / divisor
-                else:  # B1: A_0 was reset by the last Phase 2, so this is zero
-                    g0 = cms.buffers["accumulated_grad"][0][i].detach().clone() / divisor
+                i = cms.index[selected[j]]
+                g0 = targets[j].detach().float()
+                g0 = (g0 * scale if scale is not None else g0) / divisor
                 out = self.momentum_mlp(g0, cms.buffers["momentum"][0][i].detach())
                 loss = surrogate_loss(out, g0, self._mlp_output_history.get(i))
                 (loss / n).backward()
                 losses[j] = loss.detach()
                 self._mlp_output_history[i] = out.detach().clone()
-        total = torch.stack(losses).mean()
-        # The reference's clip (torch ops, no host sync): the DirectUpdateMLP dynamics amplify a
-        # 1-ulp difference in its weights (spec 7; measured in tests/test_deep_nested_cms.py),
-        # so this training must round exactly as the reference's does.
-        _fused_clip_grad_norm_(self.momentum_mlp.parameters(), META_GRAD_CLIP, inplace=True)
-        self.mlp_optimizer.step()
-        self._last_surrogate_loss = total.detach()
+        return torch.stack(losses).mean()
 
     def _cms_phase2(self, t):
         """Spec 7.2 Phase 2 for every grouped tensor with a gradient: one tm_cms_step call."""

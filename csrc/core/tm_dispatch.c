@@ -136,6 +136,29 @@ tm_cms_step(const tm_cms_tensors *t, const tm_cms_args *args, const tm_cms_input
     return cpu_cms_step(t, args, in, exec);
 }
 
+size_t
+tm_cms_surrogate_scratch_bytes(const tm_tensor_list *targets, int32_t layers)
+{
+    return list_on_cuda(targets) ? 0 : cpu_cms_surrogate_scratch_bytes(targets, layers);
+}
+
+tm_status
+tm_cms_surrogate(const tm_cms_surrogate_tensors *t, const tm_cms_surrogate_args *args,
+                 const tm_cms_surrogate_inputs *in, const tm_exec *exec)
+{
+    tm_device_ref ref;
+    tm_clear_error();
+    TM_TRY(tm_validate_cms_surrogate(t, args, in, exec, &ref));
+    if (on_cuda(&ref)) {
+        char dev[TM_DEVICE_TEXT];
+        return tm_set_error(TM_ERR_UNSUPPORTED, __FILE__, __LINE__,
+                            "%s: on %s, but tm_cms_surrogate runs on the CPU only (on CUDA the "
+                            "surrogate training runs in torch autograd)",
+                            ref.label, tm_device_text(ref.tensor, dev));
+    }
+    return cpu_cms_surrogate(t, args, in, exec);
+}
+
 tm_status
 tm_dno_control(const tm_dno_control_tensors *t, const tm_dno_control_args *args,
                const tm_exec *exec)

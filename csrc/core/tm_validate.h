@@ -31,6 +31,10 @@ tm_status tm_validate_adamw(const tm_adamw_tensors *t, const tm_adamw_args *args
                             const tm_adamw_inputs *in, const tm_exec *exec, tm_device_ref *ref);
 tm_status tm_validate_cms(const tm_cms_tensors *t, const tm_cms_args *args, const tm_cms_inputs *in,
                           const tm_exec *exec, tm_device_ref *ref);
+tm_status tm_validate_cms_surrogate(const tm_cms_surrogate_tensors *t,
+                                    const tm_cms_surrogate_args *args,
+                                    const tm_cms_surrogate_inputs *in, const tm_exec *exec,
+                                    tm_device_ref *ref);
 tm_status tm_validate_dno_control(const tm_dno_control_tensors *t, const tm_dno_control_args *args,
                                   const tm_exec *exec, tm_device_ref *ref);
 

@@ -230,3 +230,68 @@ tm_validate_cms(const tm_cms_tensors *t, const tm_cms_args *args, const tm_cms_i
     TM_TRY(check_cms_inputs(in, args, t->params.count));
     return tm_check_scratch(exec, tm_cms_scratch_bytes(&t->params, args->levels, args->net));
 }
+
+/* ---------------------------------------------------------------- tm_cms_surrogate ---- */
+
+enum { SUR_TARGETS, SUR_MOMENTUM, SUR_OUTPUTS, SUR_WEIGHTS, SUR_WEIGHT_GRADS, SUR_SCALE,
+       SUR_LOSSES, SUR_ROLES };
+
+/* float32 for every tensor of a list (the MLP's state and outputs). */
+static tm_status
+check_f32_list(const tm_tensor_list *l)
+{
+    for (int32_t i = 0; i < l->count; i++) {
+        TM_CHECK(l->tensors[i].dtype == TM_FLOAT32, TM_ERR_VALUE, "%s[%d]: dtype %s, must be "
+                 "float32", l->name, (int)i, tm_dtype_name(l->tensors[i].dtype));
+    }
+    return TM_OK;
+}
+
+/* The sizes, counts, the shared tensor checks (targets lead: momentum and outputs match their
+ * numels; weights and weight_grads pair up by index), then dtypes, shapes, divisor, scratch. */
+tm_status
+tm_validate_cms_surrogate(const tm_cms_surrogate_tensors *t, const tm_cms_surrogate_args *args,
+                          const tm_cms_surrogate_inputs *in, const tm_exec *exec,
+                          tm_device_ref *ref)
+{
+    TM_CHECK(t != NULL && args != NULL && in != NULL, TM_ERR_INTERNAL,
+             "tm_cms_surrogate: tensors, args and inputs must not be NULL");
+    TM_CHECK(exec != NULL, TM_ERR_INTERNAL, "exec is NULL");
+    tm_role roles[SUR_ROLES];
+    roles[SUR_TARGETS] = tm_list_role(&t->targets, "targets", 0);
+    roles[SUR_MOMENTUM] = tm_list_role(&t->momentum, "momentum", TM_ROLE_MATCH_NUMEL);
+    roles[SUR_OUTPUTS] = tm_list_role(&t->outputs, "outputs",
+                                      TM_ROLE_WRITTEN | TM_ROLE_MATCH_NUMEL);
+    roles[SUR_WEIGHTS] = tm_list_role(&t->weights, "weights", 0);
+    roles[SUR_WEIGHT_GRADS] = tm_list_role(&t->weight_grads, "weight_grads", TM_ROLE_WRITTEN);
+    roles[SUR_SCALE] = tm_lone_role(&in->scale, "scale", 0);
+    roles[SUR_LOSSES] = tm_lone_role(&in->losses, "losses", TM_ROLE_WRITTEN);
+    TM_TRY(tm_roles_structure(roles, SUR_ROLES));
+    const tm_cms_args net = {.net = TM_CMS_DIRECT, .hidden = args->hidden,
+                             .layers = args->layers};
+    const tm_tensor_list *w = &roles[SUR_WEIGHTS].list;
+    const tm_tensor_list *wg = &roles[SUR_WEIGHT_GRADS].list;
+    TM_TRY(check_cms_sizes(&net, w));
+    TM_TRY(tm_check_count(&roles[SUR_MOMENTUM].list, t->targets.count, "targets"));
+    TM_TRY(tm_check_count(&roles[SUR_OUTPUTS].list, t->targets.count, "targets"));
+    TM_TRY(tm_check_count(wg, w->count, w->name));
+    TM_TRY(tm_roles_check(roles, SUR_ROLES, ref));
+    TM_TRY(check_f32_list(&roles[SUR_MOMENTUM].list));
+    TM_TRY(check_f32_list(&roles[SUR_OUTPUTS].list));
+    TM_TRY(check_cms_weights(w, &net));
+    TM_TRY(check_f32_list(wg));
+    for (int32_t i = 0; i < wg->count; i++) {
+        TM_CHECK(wg->tensors[i].numel == w->tensors[i].numel, TM_ERR_VALUE,
+                 "%s[%d]: numel %lld does not match %s[%d] numel %lld", wg->name, (int)i,
+                 (long long)wg->tensors[i].numel, w->name, (int)i,
+                 (long long)w->tensors[i].numel);
+    }
+    TM_CHECK(isfinite(args->divisor) && args->divisor >= 1.0, TM_ERR_VALUE,
+             "divisor = %g: must be finite and >= 1", args->divisor);
+    if (tm_tensor_given(&in->scale)) {
+        TM_TRY(tm_check_f32_numel(&in->scale, "scale", TM_NO_INDEX, 1));
+    }
+    TM_CHECK(tm_tensor_given(&in->losses), TM_ERR_VALUE, "losses: required (one per target)");
+    TM_TRY(tm_check_f32_numel(&in->losses, "losses", TM_NO_INDEX, t->targets.count));
+    return tm_check_scratch(exec, tm_cms_surrogate_scratch_bytes(&t->targets, args->layers));
+}

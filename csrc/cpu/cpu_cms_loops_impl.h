@@ -80,9 +80,9 @@ typedef struct {
 _Static_assert(TM_CMS_DIRECT_MAX_HIDDEN % CMS_UNITS == 0, "hidden layers go CMS_UNITS at a time");
 
 CPU_INLINE void
-cms_tile_layer(const float *w, int32_t in, const float *bias, int32_t out,
-               const float (*restrict x)[CMS_TILE], float (*restrict y)[CMS_TILE], int silu,
-               int32_t units)
+cms_tile_layer_d(const float *w, int32_t in, const float *bias, int32_t out,
+                 const float (*restrict x)[CMS_TILE], float (*restrict y)[CMS_TILE], int silu,
+                 int32_t units, float (*restrict dy)[CMS_TILE], int derivs)
 {
     for (int32_t j = 0; j < out; j += units) {
         const float *wj = w + (int64_t)j * in;
@@ -103,10 +103,27 @@ cms_tile_layer(const float *w, int32_t in, const float *bias, int32_t out,
 #pragma GCC unroll 4
             for (int32_t u = 0; u < units; u++) {
                 const float v = acc[u] + bias[j + u];
-                y[j + u][e] = silu ? tm_cms_silu(v) : v;
+                /* tm_cms_silu(v), its operations spelled out to share 1 + e^-v with SiLU's
+                 * derivative s (1 + v (1 - s)), s = 1 / (1 + e^-v) (torch's silu_backward) */
+                const float den = tm_fadd(1.0f, tm_cms_exp(-v));
+                y[j + u][e] = silu ? tm_fdiv(v, den) : v;
+                if (derivs) {
+                    const float sg = tm_fdiv(1.0f, den);
+                    dy[j + u][e] = tm_fmul(sg, tm_fadd(1.0f, tm_fmul(v, tm_fadd(1.0f, -sg))));
+                }
             }
         }
     }
+}
+
+/* The layer without derivatives (Phase 2). */
+CPU_INLINE void
+cms_tile_layer(const float *w, int32_t in, const float *bias, int32_t out,
+               const float (*restrict x)[CMS_TILE], float (*restrict y)[CMS_TILE], int silu,
+               int32_t units)
+{
+    float unused[1][CMS_TILE];
+    cms_tile_layer_d(w, in, bias, out, x, y, silu, units, unused, 0);
 }
 
 /* The padded network (see tm_cms_direct_delta) on one tile. */
@@ -405,8 +422,12 @@ cms_apply_any(const cpu_cms_block *b)
                            : (b->dtype == TM_FLOAT16 ? cms_apply_f16(b) : cms_apply_bf16(b));
 }
 
+#include "cpu_cms_surrogate_loops_impl.h"
+
 static const cpu_cms_kernels TM_CAT(cpu_cms_kernels_, TM_ISA_SUFFIX) = {
     .stats = cms_stats_any,
     .update = cms_update_any,
     .apply = cms_apply_any,
+    .sur_norms = sur_norms_any,
+    .sur_grads = sur_grads_any,
 };

@@ -72,11 +72,41 @@ typedef struct {
     double *parts;
 } cpu_cms_block;
 
-/* The CMS passes over one block (cpu_cms.c has the pass structure). */
+/* One block of one tensor for the surrogate loops (tm_cms_surrogate, cpu_cms_surrogate.c):
+ * pointers at the block's first element. */
+typedef struct {
+    const void *target; /* g = target * scale / divisor */
+    const float *m;
+    float *out;         /* the previous output in (has_prev), this one out (gradient pass) */
+    int64_t n;
+    tm_dtype dtype;     /* the target's */
+    int32_t has_prev;
+    float scale, divisor;
+    float coef_o, coef_g, coef_t; /* gradient pass: d loss / d o = co o + cg g + ct (o - prev) */
+    const tm_cms_direct_net *net;
+    const float *w_hid_t; /* [L - 1][20][20]: each hidden layer's W^T (the backward) */
+    double *parts;      /* norms pass: CPU_SUR_NORM_PARTS sums; gradient pass: the gradient */
+} cpu_sur_block;
+
+/* Partial sums of the surrogate's norms pass: sum o^2, sum o g, sum g^2, sum (o - prev)^2. */
+enum { CPU_SUR_OO, CPU_SUR_OG, CPU_SUR_GG, CPU_SUR_TT, CPU_SUR_NORM_PARTS };
+
+/* Entries of the surrogate's gradient in the padded network's layout (module order: W_in
+ * [20][4], b_in [20], (W [20][20], b [20]) x (L - 1), W_out [20], b_out). */
+static inline int64_t
+cpu_sur_grad_entries(int32_t layers)
+{
+    const int64_t h = TM_CMS_DIRECT_MAX_HIDDEN;
+    return h * TM_CMS_DIRECT_IN + h + (int64_t)(layers - 1) * (h * h + h) + h + 1;
+}
+
+/* The CMS passes over one block (cpu_cms.c and cpu_cms_surrogate.c have the pass structure). */
 typedef struct {
     void (*stats)(const cpu_cms_block *b);  /* LEGACY pass S: shifted sums of m and g^ */
     void (*update)(const cpu_cms_block *b); /* pass A: accumulate, g^, e, v, m', sums */
     void (*apply)(const cpu_cms_block *b);  /* pass B: clamp, contributions, p */
+    void (*sur_norms)(const cpu_sur_block *b); /* surrogate: o, the four sums */
+    void (*sur_grads)(const cpu_sur_block *b); /* surrogate: o out, the weights' gradient */
 } cpu_cms_kernels;
 
 /* The loop bodies of one instruction set, indexed by tm_dtype. */
@@ -118,6 +148,9 @@ tm_status cpu_adamw_step(const tm_adamw_tensors *t, const tm_adamw_args *args,
 size_t cpu_cms_scratch_bytes(const tm_tensor_list *params, int32_t levels, tm_cms_net net);
 tm_status cpu_cms_step(const tm_cms_tensors *t, const tm_cms_args *args, const tm_cms_inputs *in,
                        const tm_exec *exec);
+size_t cpu_cms_surrogate_scratch_bytes(const tm_tensor_list *targets, int32_t layers);
+tm_status cpu_cms_surrogate(const tm_cms_surrogate_tensors *t, const tm_cms_surrogate_args *args,
+                            const tm_cms_surrogate_inputs *in, const tm_exec *exec);
 tm_status cpu_dno_control(const tm_dno_control_tensors *t, const tm_dno_control_args *args,
                           const tm_exec *exec);
 

@@ -235,6 +235,7 @@ tm_status tm_dno_control(const tm_dno_control_tensors *t, const tm_dno_control_a
 /* ---------------------------------------------------------------- CMS update ---- */
 
 #define TM_CMS_MAX_LEVELS 4
+#define TM_CMS_MAX_LAYERS 8 /* L: Linear+SiLU pairs of a momentum network */
 
 /* The momentum network of the CMS path (spec deep_nested_optimizer.md 7.3). */
 typedef enum {
@@ -306,6 +307,48 @@ size_t tm_cms_scratch_bytes(const tm_tensor_list *params, int32_t levels, tm_cms
  * No host synchronization on CUDA. */
 tm_status tm_cms_step(const tm_cms_tensors *t, const tm_cms_args *args, const tm_cms_inputs *in,
                       const tm_exec *exec);
+
+/* ---------------------------------------------------------------- CMS surrogate ---- */
+
+/* Phase 1 of the CMS step (spec 7.2, loss 7.4): the DirectUpdateMLP's surrogate training
+ * gradient over the (at most 20) chosen tensors. Per tensor i, with g = targets[i] * scale /
+ * divisor (in float32, the reference's ops) and o = MLP(g, momentum[i]) element-wise:
+ *   loss_i = R + 0.1 M (+ 0.1 mean((o - prev)^2) when has_prev[i]),
+ * R = 1 - cos(o, g) and M = (||o|| / ||g|| - 1)^2 when ||g||, ||o|| > 1e-8 (M = ||o||^2 when
+ * ||g|| is not), prev = outputs[i] on entry. The op writes losses[i], o into outputs[i] (the next
+ * call's prev), and weight_grads[k] = d mean_i(loss_i) / d weights[k]. The caller clips those
+ * and takes the Adam step. Every reduction is in double over fixed blocks, combined in order:
+ * deterministic and independent of the thread count; not the bits of torch's autograd (whose
+ * sums run in another order), about 1e-6 relative from them. */
+typedef struct {
+    tm_tensor_list targets;      /* g's source per tensor: A_0 (float32) or the gradient (any) */
+    tm_tensor_list momentum;     /* m_0 per tensor: float32, the target's numel */
+    tm_tensor_list outputs;      /* float32, the target's numel: prev in (has_prev), o out */
+    tm_tensor_list weights;      /* as tm_cms_tensors.weights for TM_CMS_DIRECT */
+    tm_tensor_list weight_grads; /* float32, one per weight with its numel; written */
+} tm_cms_surrogate_tensors;
+
+typedef struct {
+    double divisor;          /* max(cms_frequencies[0], 1): finite and >= 1 */
+    int32_t hidden;          /* H in [1, 20] */
+    int32_t layers;          /* L in [1, 8] */
+    const int32_t *has_prev; /* host [targets.count]; nonzero: outputs[i] holds the last o.
+                                NULL: none does */
+} tm_cms_surrogate_args;
+
+typedef struct {
+    tm_tensor scale;  /* float32 [1]: the clip coefficient; optional (= 1, not applied) */
+    tm_tensor losses; /* float32 [targets.count]; written */
+} tm_cms_surrogate_inputs;
+
+/* Scratch of tm_cms_surrogate: per-block partial sums and gradients (doubles), per-tensor loss
+ * coefficients; depends on the targets' numels and L only. */
+size_t tm_cms_surrogate_scratch_bytes(const tm_tensor_list *targets, int32_t layers);
+
+/* CPU only: on CUDA the DeepNestedOptimizer runs Phase 1 in torch autograd, which is fast there
+ * (TM_ERR_UNSUPPORTED here). */
+tm_status tm_cms_surrogate(const tm_cms_surrogate_tensors *t, const tm_cms_surrogate_args *args,
+                           const tm_cms_surrogate_inputs *in, const tm_exec *exec);
 
 /* ---------------------------------------------------------------- backends ---- */
 

@@ -65,6 +65,14 @@ static PyMethodDef module_methods[] = {
      "Phase 2 of the DeepNestedOptimizer's CMS step over lists of tensors (tm_cms_step)."},
     {"cms_scratch_bytes", KW(py_cms_scratch_bytes),
      "cms_scratch_bytes(params, *, levels, net)\n--\n\nBytes of scratch cms_step needs."},
+    {"cms_surrogate", KW(py_cms_surrogate),
+     "cms_surrogate(targets, momentum, outputs, weights, weight_grads, losses, *, divisor, hidden, "
+     "layers, has_prev=None, scale=None, num_threads=1, stream=None, scratch=None)\n--\n\n"
+     "Phase 1 of the DeepNestedOptimizer's CMS step, the DirectUpdateMLP's surrogate loss "
+     "gradient (tm_cms_surrogate; CPU)."},
+    {"cms_surrogate_scratch_bytes", KW(py_cms_surrogate_scratch_bytes),
+     "cms_surrogate_scratch_bytes(targets, *, layers)\n--\n\nBytes of scratch cms_surrogate "
+     "needs."},
     {"cpu_isa", py_cpu_isa, METH_NOARGS,
      "cpu_isa()\n--\n\nThe CPU instruction set in use: generic, avx2 or avx512."},
     {"_select_cpu_isa", KW(py_select_cpu_isa),

@@ -249,3 +249,136 @@ py_cms_scratch_bytes(PyObject *module, PyObject *args, PyObject *kwargs)
     py_batch_release(&b);
     return result;
 }
+
+/* ---------------------------------------------------------------- cms_surrogate ---- */
+
+/* None -> NULL; else exactly count bools (or ints), one per target. */
+static int
+parse_has_prev(py_batch *b, PyObject *obj, int32_t count, const int32_t **out)
+{
+    *out = NULL;
+    if (obj == Py_None) {
+        return 0;
+    }
+    if (!PyList_Check(obj) && !PyTuple_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "has_prev: expected a list of bools or None, got %.100s",
+                     Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    if (PySequence_Fast_GET_SIZE(obj) != count) {
+        PyErr_Format(PyExc_ValueError, "has_prev: %zd entries for %d targets",
+                     PySequence_Fast_GET_SIZE(obj), (int)count);
+        return -1;
+    }
+    int32_t *flags = py_batch_alloc(b, (size_t)(count > 0 ? count : 1) * sizeof *flags);
+    if (flags == NULL) {
+        return -1;
+    }
+    for (int32_t i = 0; i < count; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(obj, i); /* exact ints run no Python code */
+        if (!PyLong_Check(item)) {
+            PyErr_Format(PyExc_TypeError, "has_prev[%d]: expected a bool, got %.100s", (int)i,
+                         Py_TYPE(item)->tp_name);
+            return -1;
+        }
+        flags[i] = PyObject_IsTrue(item);
+    }
+    *out = flags;
+    return 0;
+}
+
+/* divisor, hidden, layers (keyword-only, required). */
+static int
+surrogate_required(PyObject *const req[3], tm_cms_surrogate_args *a)
+{
+    static const char *const names[3] = {"divisor", "hidden", "layers"};
+    for (int k = 0; k < 3; k++) {
+        if (req[k] == NULL) {
+            PyErr_Format(PyExc_TypeError,
+                         "cms_surrogate() missing required keyword-only argument: '%s'", names[k]);
+            return -1;
+        }
+    }
+    a->divisor = PyFloat_AsDouble(req[0]);
+    long h = PyErr_Occurred() ? -1 : PyLong_AsLong(req[1]);
+    long l = PyErr_Occurred() ? -1 : PyLong_AsLong(req[2]);
+    if (PyErr_Occurred()) {
+        return -1;
+    }
+    a->hidden = h < INT32_MIN || h > INT32_MAX ? -1 : (int32_t)h;
+    a->layers = l < INT32_MIN || l > INT32_MAX ? -1 : (int32_t)l;
+    return 0;
+}
+
+PyObject *
+py_cms_surrogate(PyObject *module, PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {"targets", "momentum", "outputs", "weights", "weight_grads",
+                             "losses", "divisor", "hidden", "layers", "has_prev", "scale",
+                             "num_threads", "stream", "scratch", NULL};
+    static const char *const list_names[5] = {"targets", "momentum", "outputs", "weights",
+                                              "weight_grads"};
+    PyObject *o[6], *req[3] = {NULL}, *has_prev = Py_None, *scale = Py_None;
+    PyObject *stream = Py_None, *scratch = Py_None;
+    tm_cms_surrogate_args a = {.has_prev = NULL};
+    int num_threads = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOO|$OOOOOiOO:cms_surrogate", kwlist,
+                                     &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &req[0], &req[1],
+                                     &req[2], &has_prev, &scale, &num_threads, &stream,
+                                     &scratch) ||
+        surrogate_required(req, &a) < 0) {
+        return NULL;
+    }
+    py_batch b;
+    py_call c = {.heap = NULL};
+    tm_cms_surrogate_tensors t;
+    tm_cms_surrogate_inputs in;
+    tm_tensor_list *lists[5] = {&t.targets, &t.momentum, &t.outputs, &t.weights, &t.weight_grads};
+    tm_status status = TM_OK;
+    int ran = 0;
+    memset(&t, 0, sizeof t);
+    memset(&in, 0, sizeof in);
+    py_batch_init(&b, py_get_state(module));
+    for (int k = 0; k < 5; k++) {
+        if (py_import_list(&b, o[k], list_names[k], 0, lists[k]) < 0) {
+            goto done;
+        }
+    }
+    if (py_import(&b, o[5], "losses", -1, 0, &in.losses, NULL, NULL) < 0 ||
+        py_import_optional(&b, scale, "scale", &in.scale) < 0 ||
+        parse_has_prev(&b, has_prev, t.targets.count, &a.has_prev) < 0 ||
+        py_setup_call(&b, py_first_or(&t.targets, &in.losses), num_threads, stream, scratch,
+                      tm_cms_surrogate_scratch_bytes(&t.targets, a.layers),
+                      "cms_surrogate_scratch_bytes", &c) < 0) {
+        goto done;
+    }
+    PY_RUN(c, status, tm_cms_surrogate(&t, &a, &in, &c.ex));
+    ran = 1;
+done:
+    return py_finish(&b, &c, ran, status);
+}
+
+PyObject *
+py_cms_surrogate_scratch_bytes(PyObject *module, PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {"targets", "layers", NULL};
+    PyObject *targets, *result = NULL;
+    int layers = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|$i:cms_surrogate_scratch_bytes", kwlist,
+                                     &targets, &layers)) {
+        return NULL;
+    }
+    if (layers < 1 || layers > TM_CMS_MAX_LAYERS) {
+        PyErr_Format(PyExc_ValueError, "layers = %d: must be in [1, %d]", layers,
+                     TM_CMS_MAX_LAYERS);
+        return NULL;
+    }
+    py_batch b;
+    tm_tensor_list p;
+    py_batch_init(&b, py_get_state(module));
+    if (py_import_list(&b, targets, "targets", 0, &p) == 0) {
+        result = PyLong_FromSize_t(tm_cms_surrogate_scratch_bytes(&p, (int32_t)layers));
+    }
+    py_batch_release(&b);
+    return result;
+}

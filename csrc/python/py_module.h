@@ -65,6 +65,8 @@ PyObject *py_clip_coef(PyObject *module, PyObject *args, PyObject *kwargs);
 PyObject *py_scale(PyObject *module, PyObject *args, PyObject *kwargs);
 PyObject *py_cms_step(PyObject *module, PyObject *args, PyObject *kwargs);
 PyObject *py_cms_scratch_bytes(PyObject *module, PyObject *args, PyObject *kwargs);
+PyObject *py_cms_surrogate(PyObject *module, PyObject *args, PyObject *kwargs);
+PyObject *py_cms_surrogate_scratch_bytes(PyObject *module, PyObject *args, PyObject *kwargs);
 PyObject *py_dno_control(PyObject *module, PyObject *args, PyObject *kwargs);
 PyObject *py_select_cpu_isa(PyObject *module, PyObject *args, PyObject *kwargs);
 PyObject *py_dlpack_intake(PyObject *module, PyObject *args, PyObject *kwargs);

@@ -1,0 +1,363 @@
+/*
+ * cpu_cms_surrogate_loops_impl.h -- the loops of tm_cms_surrogate (Phase 1 of the CMS step: the
+ * DirectUpdateMLP's surrogate training gradient, spec deep_nested_optimizer.md 7.2 and 7.4) over
+ * one block, compiled per instruction set: cpu_cms_loops_impl.h includes it after its tile layer,
+ * which both passes reuse. cpu_cms_surrogate.c drives the passes and has the loss's formulas.
+ *
+ * Tiles of CMS_TILE elements, one SIMD lane per element (a block's last tile is padded with
+ * zero inputs whose loss gradient is 0, so they add exact zeros):
+ *   norms pass:    g, the features, the forward, sums of o^2, o g, g^2, (o - prev)^2
+ *   gradient pass: the same forward keeping every layer's SiLU output and derivative, d loss / d o
+ *                  from the tensor's coefficients, o into outputs, then the backward: each layer's
+ *                  gradient rows d_j and the layer's inputs x_k give dW[j][k] += d_j x_k and
+ *                  db[j] += d_j, and d goes down through W^T and SiLU's derivative.
+ * The weights' gradient is summed over the block in float with FMAs, in CPU_ACC lanes (element
+ * e to lane e % 8, as every CPU reduction here: the same bits on every ISA and thread count),
+ * and each entry's lanes are joined pairwise in double at the block's end. The forward is the
+ * tile layer of Phase 2, so o is Phase 2's MLP output for the same inputs.
+ */
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+#define SUR_MH TM_CMS_DIRECT_MAX_HIDDEN
+#define SUR_MAX_GRAD (SUR_MH * TM_CMS_DIRECT_IN + SUR_MH + \
+                      (TM_CMS_MAX_LAYERS - 1) * (SUR_MH * SUR_MH + SUR_MH) + SUR_MH + 1)
+
+typedef struct {
+    float g[CMS_TILE];
+    float prev[CMS_TILE];                                 /* has_prev */
+    float x[TM_CMS_DIRECT_IN][CMS_TILE];                  /* the features */
+    float act[TM_CMS_MAX_LAYERS][SUR_MH][CMS_TILE];       /* SiLU outputs of each hidden layer */
+    float dact[TM_CMS_MAX_LAYERS][SUR_MH][CMS_TILE];      /* their derivatives (gradient pass) */
+    float out[CMS_TILE];                                  /* o */
+} sur_tile;
+
+/* g = target * scale / divisor, prev and the four features of elements [s, s + cnt). A partial
+ * tile is padded with zero inputs, and after the forward with o = 0 (sur_tile_pad): every sum
+ * and the loss gradient see exact zeros there. */
+CPU_INLINE void
+sur_tile_inputs(const cpu_sur_block *b, int64_t s, int cnt, tm_dtype dt, sur_tile *t)
+{
+    float raw[CMS_TILE], m[CMS_TILE];
+    if (cnt == CMS_TILE) { /* full tiles: no masks, so the loops vectorize */
+        TM_SIMD
+        for (int e = 0; e < CMS_TILE; e++) {
+            raw[e] = load_elem(b->target, s + e, dt);
+            m[e] = b->m[s + e];
+            t->prev[e] = b->has_prev ? b->out[s + e] : 0.0f;
+        }
+    } else {
+        for (int e = 0; e < CMS_TILE; e++) {
+            raw[e] = e < cnt ? load_elem(b->target, s + e, dt) : 0.0f;
+            m[e] = e < cnt ? b->m[s + e] : 0.0f;
+            t->prev[e] = b->has_prev && e < cnt ? b->out[s + e] : 0.0f;
+        }
+    }
+    TM_SIMD
+    for (int e = 0; e < CMS_TILE; e++) {
+        const float g = tm_fdiv(tm_fmul(raw[e], b->scale), b->divisor);
+        t->g[e] = g;
+        tm_cms_preprocess(g, &t->x[0][e], &t->x[1][e]);
+        tm_cms_preprocess(m[e], &t->x[2][e], &t->x[3][e]);
+    }
+}
+
+CPU_INLINE void
+sur_tile_pad(sur_tile *t, int cnt)
+{
+    for (int e = cnt; e < CMS_TILE; e++) {
+        t->out[e] = 0.0f;
+    }
+}
+
+/* The padded network on one tile, every hidden layer's output kept (and its derivative when
+ * derivs). */
+CPU_INLINE void
+sur_tile_forward(const tm_cms_direct_net *net, sur_tile *t, int cnt, int derivs)
+{
+    const int32_t layers = net->layers;
+    cms_tile_layer_d(&net->w_in[0][0], TM_CMS_DIRECT_IN, net->b_in, SUR_MH,
+                     (const float (*)[CMS_TILE])t->x, t->act[0], 1, CMS_UNITS,
+                     t->dact[0], derivs);
+    for (int32_t l = 1; l < layers; l++) {
+        cms_tile_layer_d(&net->w_hid[l - 1][0][0], SUR_MH, net->b_hid[l - 1], SUR_MH,
+                         (const float (*)[CMS_TILE])t->act[l - 1], t->act[l], 1, CMS_UNITS,
+                         t->dact[l], derivs);
+    }
+    cms_tile_layer(net->w_out, SUR_MH, &net->b_out, 1,
+                   (const float (*)[CMS_TILE])t->act[layers - 1], (float (*)[CMS_TILE])t->out, 0,
+                   1);
+    sur_tile_pad(t, cnt);
+}
+
+/* The forward with and without derivatives as functions of their own: inlined into the large
+ * gradient loop, GCC no longer vectorizes the layer's element loop (it did not if-convert it). */
+#if defined(__GNUC__)
+#define SUR_NOINLINE static __attribute__((noinline))
+#else
+#define SUR_NOINLINE static
+#endif
+
+SUR_NOINLINE void
+sur_forward_plain(const tm_cms_direct_net *net, sur_tile *t, int cnt)
+{
+    sur_tile_forward(net, t, cnt, 0);
+}
+
+SUR_NOINLINE void
+sur_forward_derivs(const tm_cms_direct_net *net, sur_tile *t, int cnt)
+{
+    sur_tile_forward(net, t, cnt, 1);
+}
+
+CPU_INLINE void
+sur_norms(const cpu_sur_block *b, tm_dtype dt)
+{
+    sur_tile t;
+    double acc[CPU_SUR_NORM_PARTS][CPU_ACC] = {{0.0}};
+    for (int64_t s = 0; s < b->n; s += CMS_TILE) {
+        const int cnt = b->n - s < CMS_TILE ? (int)(b->n - s) : CMS_TILE;
+        sur_tile_inputs(b, s, cnt, dt, &t);
+        sur_forward_plain(b->net, &t, cnt);
+        for (int e = 0; e < CMS_TILE; e += CPU_ACC) {
+#pragma GCC unroll 8
+            for (int j = 0; j < CPU_ACC; j++) {
+                const double o = t.out[e + j];
+                const double g = t.g[e + j];
+                const double d = tm_fadd(t.out[e + j], -t.prev[e + j]);
+                acc[CPU_SUR_OO][j] += o * o;
+                acc[CPU_SUR_OG][j] += o * g;
+                acc[CPU_SUR_GG][j] += g * g;
+                acc[CPU_SUR_TT][j] += d * d;
+            }
+        }
+    }
+    for (int q = 0; q < CPU_SUR_NORM_PARTS; q++) {
+        b->parts[q] = cms_join(acc[q]);
+    }
+}
+
+/* acc[j * cols + k][lane] += d[j][e] x[k][e] over the tile (e % CPU_ACC = lane), for rows j in
+ * [j0, j0 + jb) and columns k in [k0, k0 + 4): jb * 4 independent FMA chains (8 hide the FMA
+ * latency), each d and x vector loaded once. */
+#define SUR_KB 4
+_Static_assert(SUR_MH % SUR_KB == 0 && TM_CMS_DIRECT_IN % SUR_KB == 0, "column blocks");
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* One 8-float vector per lane group; _mm256_fmadd_ps rounds once per lane, as tm_fma: the
+ * generic loop below gives the same bits. GCC vectorized that loop across the wrong dimension
+ * (scalar FMAs and shuffles), a third of the gradient pass. */
+_Static_assert(CPU_ACC == 8, "one __m256 per accumulator");
+
+CPU_INLINE void
+sur_outer_block(float (*restrict acc)[CPU_ACC], const float (*restrict d)[CMS_TILE],
+                const float (*restrict x)[CMS_TILE], int32_t cols, int32_t j0, int32_t k0,
+                int32_t jb)
+{
+    __m256 lane[2][SUR_KB];
+    for (int32_t a = 0; a < jb; a++) {
+        for (int32_t u = 0; u < SUR_KB; u++) {
+            lane[a][u] = _mm256_loadu_ps(acc[(j0 + a) * cols + k0 + u]);
+        }
+    }
+    for (int e = 0; e < CMS_TILE; e += CPU_ACC) {
+        __m256 xv[SUR_KB];
+        for (int32_t u = 0; u < SUR_KB; u++) {
+            xv[u] = _mm256_loadu_ps(&x[k0 + u][e]);
+        }
+        for (int32_t a = 0; a < jb; a++) {
+            const __m256 dv = _mm256_loadu_ps(&d[j0 + a][e]);
+            for (int32_t u = 0; u < SUR_KB; u++) {
+                lane[a][u] = _mm256_fmadd_ps(dv, xv[u], lane[a][u]);
+            }
+        }
+    }
+    for (int32_t a = 0; a < jb; a++) {
+        for (int32_t u = 0; u < SUR_KB; u++) {
+            _mm256_storeu_ps(acc[(j0 + a) * cols + k0 + u], lane[a][u]);
+        }
+    }
+}
+#else
+CPU_INLINE void
+sur_outer_block(float (*restrict acc)[CPU_ACC], const float (*restrict d)[CMS_TILE],
+                const float (*restrict x)[CMS_TILE], int32_t cols, int32_t j0, int32_t k0,
+                int32_t jb)
+{
+    for (int32_t c = 0; c < jb * SUR_KB; c++) {
+        float *restrict lane = acc[(j0 + c / SUR_KB) * cols + k0 + c % SUR_KB];
+        const float *restrict dj = d[j0 + c / SUR_KB];
+        const float *restrict xk = x[k0 + c % SUR_KB];
+        for (int e = 0; e < CMS_TILE; e += CPU_ACC) {
+            for (int q = 0; q < CPU_ACC; q++) {
+                lane[q] = tm_fma(dj[e + q], xk[e + q], lane[q]);
+            }
+        }
+    }
+}
+#endif
+
+/* The weights' gradient of one layer: dW[j][k] += d_j x_k for a [rows][cols] layer. */
+CPU_INLINE void
+sur_accum_outer(float (*restrict acc)[CPU_ACC], const float (*restrict d)[CMS_TILE],
+                const float (*restrict x)[CMS_TILE], int32_t rows, int32_t cols)
+{
+    for (int32_t j = 0; j + 1 < rows; j += 2) {
+        for (int32_t k = 0; k < cols; k += SUR_KB) {
+            sur_outer_block(acc, d, x, cols, j, k, 2);
+        }
+    }
+    if (rows % 2 == 1) {
+        for (int32_t k = 0; k < cols; k += SUR_KB) {
+            sur_outer_block(acc, d, x, cols, rows - 1, k, 1);
+        }
+    }
+}
+
+SUR_NOINLINE void
+sur_outer_hidden(float (*restrict acc)[CPU_ACC], const float (*restrict d)[CMS_TILE],
+                 const float (*restrict x)[CMS_TILE])
+{
+    sur_accum_outer(acc, d, x, SUR_MH, SUR_MH);
+}
+
+SUR_NOINLINE void
+sur_outer_first(float (*restrict acc)[CPU_ACC], const float (*restrict d)[CMS_TILE],
+                const float (*restrict x)[CMS_TILE])
+{
+    sur_accum_outer(acc, d, x, SUR_MH, TM_CMS_DIRECT_IN);
+}
+
+SUR_NOINLINE void
+sur_outer_last(float (*restrict acc)[CPU_ACC], const float (*restrict d)[CMS_TILE],
+               const float (*restrict x)[CMS_TILE])
+{
+    sur_accum_outer(acc, d, x, 1, SUR_MH);
+}
+
+/* acc[j][lane] += d[j][e] over the tile. */
+CPU_INLINE void
+sur_accum_rows(float (*restrict acc)[CPU_ACC], const float (*restrict d)[CMS_TILE], int32_t rows)
+{
+    for (int32_t j = 0; j < rows; j++) {
+        for (int e = 0; e < CMS_TILE; e += CPU_ACC) {
+#pragma GCC unroll 8
+            for (int q = 0; q < CPU_ACC; q++) {
+                acc[j][q] = tm_fadd(acc[j][q], d[j][e + q]);
+            }
+        }
+    }
+}
+
+/* d loss / d o of the tile (0 in the padding); o into outputs. */
+CPU_INLINE void
+sur_tile_dout(const cpu_sur_block *b, int64_t s, int cnt, const sur_tile *t,
+              float (*restrict dout)[CMS_TILE])
+{
+    TM_SIMD
+    for (int e = 0; e < CMS_TILE; e++) {
+        const float o = t->out[e];
+        const float d = tm_fadd(tm_fmul(b->coef_o, o), tm_fmul(b->coef_g, t->g[e]));
+        dout[0][e] = tm_fadd(d, tm_fmul(b->coef_t, tm_fadd(o, -t->prev[e])));
+    }
+    float *restrict out = b->out + s;
+    for (int e = 0; e < cnt; e++) {
+        out[e] = t->out[e];
+    }
+}
+
+/* y[k][e] = (sum_j W[j][k] x[j][e]) * dact[k][e]: the rows of one layer's input, from the rows
+ * of its output. wt = W^T. */
+SUR_NOINLINE void
+sur_tile_down(const float *wt, const float (*restrict x)[CMS_TILE],
+              const float (*restrict dact)[CMS_TILE], float (*restrict y)[CMS_TILE])
+{
+    static const float zero[SUR_MH] = {0.0f};
+    cms_tile_layer(wt, SUR_MH, zero, SUR_MH, x, y, 0, CMS_UNITS);
+    for (int32_t k = 0; k < SUR_MH; k++) {
+        TM_SIMD
+        for (int e = 0; e < CMS_TILE; e++) {
+            y[k][e] = tm_fmul(y[k][e], dact[k][e]);
+        }
+    }
+}
+
+CPU_INLINE void
+sur_grads(const cpu_sur_block *b, tm_dtype dt)
+{
+    const tm_cms_direct_net *net = b->net;
+    const int32_t layers = net->layers;
+    const int64_t entries = cpu_sur_grad_entries(layers);
+    /* offsets of the module-order layout (cpu_sur_grad_entries) */
+    const int64_t off_b_in = SUR_MH * TM_CMS_DIRECT_IN;
+    const int64_t off_hid = off_b_in + SUR_MH;
+    const int64_t hid = SUR_MH * SUR_MH + SUR_MH;
+    const int64_t off_w_out = off_hid + (int64_t)(layers - 1) * hid;
+    sur_tile t;
+    float d[2][SUR_MH][CMS_TILE];
+    float dout[1][CMS_TILE];
+    float acc[SUR_MAX_GRAD][CPU_ACC];
+    for (int64_t q = 0; q < entries; q++) {
+        for (int j = 0; j < CPU_ACC; j++) {
+            acc[q][j] = 0.0f;
+        }
+    }
+    for (int64_t s = 0; s < b->n; s += CMS_TILE) {
+        const int cnt = b->n - s < CMS_TILE ? (int)(b->n - s) : CMS_TILE;
+        sur_tile_inputs(b, s, cnt, dt, &t);
+        sur_forward_derivs(net, &t, cnt);
+        sur_tile_dout(b, s, cnt, &t, dout);
+        /* output layer: dW_out += dout a_{L-1}, db_out += dout; d = w_out dout * SiLU' */
+        sur_outer_last(acc + off_w_out, (const float (*)[CMS_TILE])dout,
+                       (const float (*)[CMS_TILE])t.act[layers - 1]);
+        sur_accum_rows(acc + off_w_out + SUR_MH, (const float (*)[CMS_TILE])dout, 1);
+        for (int32_t k = 0; k < SUR_MH; k++) {
+            const float w = net->w_out[k];
+            TM_SIMD
+            for (int e = 0; e < CMS_TILE; e++) {
+                d[0][k][e] = tm_fmul(tm_fmul(w, dout[0][e]), t.dact[layers - 1][k][e]);
+            }
+        }
+        int cur = 0;
+        for (int32_t l = layers - 1; l >= 1; l--) { /* hidden layer l: act[l - 1] -> act[l] */
+            float (*g)[CPU_ACC] = acc + off_hid + (int64_t)(l - 1) * hid;
+            sur_outer_hidden(g, (const float (*)[CMS_TILE])d[cur],
+                             (const float (*)[CMS_TILE])t.act[l - 1]);
+            sur_accum_rows(g + SUR_MH * SUR_MH, (const float (*)[CMS_TILE])d[cur], SUR_MH);
+            sur_tile_down(b->w_hid_t + (int64_t)(l - 1) * SUR_MH * SUR_MH,
+                          (const float (*)[CMS_TILE])d[cur],
+                          (const float (*)[CMS_TILE])t.dact[l - 1], d[cur ^ 1]);
+            cur ^= 1;
+        }
+        sur_outer_first(acc, (const float (*)[CMS_TILE])d[cur], (const float (*)[CMS_TILE])t.x);
+        sur_accum_rows(acc + off_b_in, (const float (*)[CMS_TILE])d[cur], SUR_MH);
+    }
+    for (int64_t q = 0; q < entries; q++) {
+        b->parts[q] = ((acc[q][0] + (double)acc[q][1]) + (acc[q][2] + (double)acc[q][3])) +
+                      ((acc[q][4] + (double)acc[q][5]) + (acc[q][6] + (double)acc[q][7]));
+    }
+}
+
+#define CPU_DEFINE_SUR(DT, DTYPE)                                                                  \
+    static void sur_norms_##DT(const cpu_sur_block *b) { sur_norms(b, DTYPE); }                    \
+    static void sur_grads_##DT(const cpu_sur_block *b) { sur_grads(b, DTYPE); }
+
+CPU_DEFINE_SUR(f32, TM_FLOAT32)
+CPU_DEFINE_SUR(f16, TM_FLOAT16)
+CPU_DEFINE_SUR(bf16, TM_BFLOAT16)
+
+static void
+sur_norms_any(const cpu_sur_block *b)
+{
+    b->dtype == TM_FLOAT32 ? sur_norms_f32(b)
+                           : (b->dtype == TM_FLOAT16 ? sur_norms_f16(b) : sur_norms_bf16(b));
+}
+
+static void
+sur_grads_any(const cpu_sur_block *b)
+{
+    b->dtype == TM_FLOAT32 ? sur_grads_f32(b)
+                           : (b->dtype == TM_FLOAT16 ? sur_grads_f16(b) : sur_grads_bf16(b));
+}

@@ -1,0 +1,258 @@
+"""_C.cms_surrogate (tm_cms_surrogate, Phase 1 of the CMS step on the CPU) against autograd of
+the reference in float64: the gradient of mean_i compute_surrogate_loss(MLP(g_i, m_i), g_i,
+prev_i) over the DirectUpdateMLP's weights (spec deep_nested_optimizer.md 7.2, 7.4; the
+reference's preprocess_gradient, net and loss, evaluated in double), element by element, over
+several Phase 1 steps (each step's outputs are the next step's prev, and the MLP takes an Adam
+step between them); plus its argument checks.
+
+Tolerance: every entry of a gradient tensor within GRAD_RTOL of that tensor's largest entry
+(measured <= 1.5e-7; torch's float32 autograd itself is up to 5e-5 off, its matmul summing
+65,537 rows in float), outputs within 1e-5 of their max, losses 1e-5 relative.
+"""
+
+import copy
+
+import pytest
+import torch
+
+from titanmac_c import _C
+from titanmac_c._reference_dno import (DirectUpdateMLP, compute_surrogate_loss,
+                                       preprocess_gradient)
+
+GRAD_RTOL = 1e-6
+SIZES = [1, 3, 300, 4097, (33, 65), 65537]
+
+
+def _mlp(hidden, layers, seed=0):
+    torch.manual_seed(seed)
+    mlp = DirectUpdateMLP(hidden_dim=hidden, num_layers=layers)
+    with torch.no_grad():  # away from the init (zero output layer) so every weight has a gradient
+        for p in mlp.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    return mlp
+
+
+def _inputs(kind, gen, dtype=torch.float32):
+    """targets and momenta per size; kind 'zero': A_0 as the reference has it (B1), 'grad': a
+    gradient, 'tiny': ||g|| below the 1e-8 threshold."""
+    scale = {"zero": 0.0, "grad": 1e-3, "tiny": 1e-12}[kind]
+    targets = [(torch.randn(s, generator=gen) * scale).to(dtype) for s in SIZES]
+    moms = [torch.randn(s, generator=gen) * 10 ** float(torch.empty(1).uniform_(-5, -1,
+                                                                          generator=gen))
+            for s in SIZES]
+    return targets, moms
+
+
+def _reference(mlp, targets, moms, prevs, scale, divisor):
+    """The reference's Phase 1 loss, its gradient and outputs, in float64: g0 is formed in
+    float32 as the reference forms it, then DirectUpdateMLP.forward's steps run in double."""
+    net = copy.deepcopy(mlp.net).double()
+    losses, outs = [], []
+    for t, m, prev in zip(targets, moms, prevs):
+        g0 = t.float()
+        g0 = ((g0 * scale if scale is not None else g0) / divisor).double()
+        log_g, sign_g = preprocess_gradient(g0)
+        log_m, sign_m = preprocess_gradient(m.double())
+        features = torch.stack([log_g.reshape(-1), sign_g.reshape(-1), log_m.reshape(-1),
+                                sign_m.reshape(-1)], dim=-1)
+        out = net(features).reshape(g0.shape)
+        losses.append(compute_surrogate_loss(out, g0, None if prev is None else prev.double()))
+        outs.append(out.detach().float())
+    torch.stack(losses).mean().backward()
+    return ([p.grad.float() for p in net.parameters()], torch.stack(losses).detach().float(),
+            outs)
+
+
+def _ours(mlp, targets, moms, outputs, has_prev, scale, divisor, hidden, layers, **kw):
+    grads = [torch.full_like(p, float("nan")) for p in mlp.parameters()]
+    losses = torch.full((len(targets),), float("nan"))
+    _C.cms_surrogate(targets, moms, outputs, [p.detach() for p in mlp.parameters()], grads,
+                     losses, divisor=divisor, hidden=hidden, layers=layers, has_prev=has_prev,
+                     scale=scale, **kw)
+    return grads, losses
+
+
+def _assert_grads(ours, ref, names, step):
+    for name, a, b in zip(names, ours, ref):
+        tol = GRAD_RTOL * float(b.abs().max()) + 1e-30
+        torch.testing.assert_close(a, b, rtol=0, atol=tol, msg=lambda m: f"step {step} {name}: {m}")
+
+
+@pytest.mark.parametrize("hidden,layers", [(20, 2), (7, 1), (20, 3), (13, 2)])
+@pytest.mark.parametrize("kind", ["zero", "grad", "tiny"])
+def test_gradient_matches_autograd_over_steps(hidden, layers, kind):
+    gen = torch.Generator().manual_seed(hidden * 10 + layers)
+    mlp = _mlp(hidden, layers)
+    names = [n for n, _ in mlp.named_parameters()]
+    adam = torch.optim.Adam(mlp.parameters(), lr=1e-3)
+    scale = torch.tensor([0.7]) if kind == "grad" else None
+    divisor = 1.0 if kind != "grad" else 5.0
+    outputs = [torch.empty(s) for s in SIZES]
+    prevs = [None] * len(SIZES)
+    for step in range(4):
+        targets, moms = _inputs(kind, gen)
+        # from step 1 on, every other tensor has a previous output (the others start over)
+        has_prev = [step > 0 and i % 2 == 0 for i in range(len(SIZES))]
+        prev_in = [prevs[i] if has_prev[i] else None for i in range(len(SIZES))]
+        g_ref, l_ref, o_ref = _reference(mlp, targets, moms, prev_in, scale, divisor)
+        g_ours, l_ours = _ours(mlp, targets, moms, outputs, has_prev, scale, divisor,
+                               hidden, layers)
+        _assert_grads(g_ours, g_ref, names, step)
+        torch.testing.assert_close(l_ours, l_ref, rtol=1e-5, atol=1e-12)
+        for i, (o, r) in enumerate(zip(outputs, o_ref)):
+            torch.testing.assert_close(o, r, rtol=0, atol=1e-5 * float(r.abs().max()) + 1e-12,
+                                       msg=lambda m: f"step {step} outputs[{i}]: {m}")
+        # an Adam step of the MLP, and the same prev on both sides (the reference's outputs)
+        for p, g in zip(mlp.parameters(), g_ref):
+            p.grad = g
+        adam.step()
+        prevs = o_ref
+        for o, r in zip(outputs, o_ref):
+            o.copy_(r)
+
+
+def test_bf16_targets_and_tiny_norms():
+    """bf16 gradients as targets (the corrected B1), and a tensor whose norms are each above the
+    1e-8 threshold while their product is below it (F.cosine_similarity clamps each norm, not
+    the product)."""
+    gen = torch.Generator().manual_seed(5)
+    mlp = _mlp(20, 2)
+    targets = [(torch.randn(s, generator=gen) * 1e-3).bfloat16() for s in SIZES]
+    targets[1] = torch.full((3,), 2e-8).bfloat16()  # ||g|| ~ 3.5e-8, ||o|| < 0.3: product < 1e-8
+    moms = [torch.randn(s, generator=gen) * 1e-3 for s in SIZES]
+    with torch.no_grad():  # a small output for that tensor: scale the output layer down
+        mlp.net[-1].weight.mul_(1e-3)
+        mlp.net[-1].bias.mul_(1e-3)
+    scale = torch.tensor([0.5])
+    g_ref, l_ref, _ = _reference(mlp, targets, moms, [None] * len(SIZES), scale, 1.0)
+    outputs = [torch.empty(s) for s in SIZES]
+    g_ours, l_ours = _ours(mlp, targets, moms, outputs, None, scale, 1.0, 20, 2)
+    _assert_grads(g_ours, g_ref, [n for n, _ in mlp.named_parameters()], 0)
+    torch.testing.assert_close(l_ours, l_ref, rtol=1e-5, atol=1e-12)
+
+
+def test_nan_momentum_poisons_the_gradient_as_in_autograd():
+    gen = torch.Generator().manual_seed(2)
+    mlp = _mlp(20, 2)
+    targets, moms = _inputs("zero", gen)
+    moms[2][7] = float("nan")
+    g_ref, l_ref, _ = _reference(mlp, targets, moms, [None] * len(SIZES), None, 1.0)
+    g_ours, l_ours = _ours(mlp, targets, moms, [torch.empty(s) for s in SIZES], None, None, 1.0,
+                           20, 2)
+    for a, b in zip(g_ours, g_ref):
+        assert torch.equal(a.isnan(), b.isnan())
+    assert torch.equal(l_ours.isnan(), l_ref.isnan())
+
+
+def _run_bits(num_threads):
+    gen = torch.Generator().manual_seed(9)
+    mlp = _mlp(20, 2)
+    targets, moms = _inputs("grad", gen)
+    outputs = [torch.randn(s, generator=gen) for s in SIZES]
+    grads, losses = _ours(mlp, targets, moms, outputs, [True] * len(SIZES), torch.tensor([0.9]),
+                          2.0, 20, 2, num_threads=num_threads)
+    return grads + [losses] + outputs
+
+
+def test_same_bits_for_any_thread_count_and_instruction_set():
+    base = _run_bits(1)
+    for a, b in zip(base, _run_bits(2)):
+        assert torch.equal(a, b)
+    isa = _C.cpu_isa()
+    try:
+        _C._select_cpu_isa("generic")
+        generic = _run_bits(2)
+    finally:
+        _C._select_cpu_isa(isa)
+    for a, b in zip(base, generic):
+        assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------- argument checks ----
+
+def _call_args():
+    mlp = _mlp(20, 2)
+    n = [5, 300]
+    args = dict(targets=[torch.zeros(k) for k in n], momentum=[torch.randn(k) for k in n],
+                outputs=[torch.randn(k) for k in n],
+                weights=[p.detach() for p in mlp.parameters()],
+                weight_grads=[torch.zeros_like(p) for p in mlp.parameters()],
+                losses=torch.zeros(2))
+    kw = dict(divisor=1.0, hidden=20, layers=2, has_prev=[True, False])
+    return args, kw
+
+
+def _written(args):
+    return [t.clone() for t in args["outputs"] + args["weight_grads"] + [args["losses"]]]
+
+
+def _bad_weight_count(a, k):
+    a["weights"] = a["weights"][:-1]
+
+
+def _bad_momentum_numel(a, k):
+    a["momentum"][1] = torch.zeros(299)
+
+
+def _bad_output_dtype(a, k):
+    a["outputs"][0] = torch.zeros(5, dtype=torch.float16)
+
+
+def _bad_weight_grad_numel(a, k):
+    a["weight_grads"][2] = torch.zeros(19, 20)
+
+
+def _bad_losses(a, k):
+    a["losses"] = torch.zeros(3)
+
+
+def _bad_hidden(a, k):
+    k["hidden"] = 21
+
+
+def _bad_layers(a, k):
+    k["layers"] = 0
+
+
+def _bad_divisor(a, k):
+    k["divisor"] = float("nan")
+
+
+def _bad_has_prev(a, k):
+    k["has_prev"] = [True]
+
+
+def _aliased_output(a, k):
+    a["outputs"][1] = a["momentum"][1]
+
+
+def _non_float_weight(a, k):
+    a["weights"][0] = a["weights"][0].half()
+
+
+def _bad_scale(a, k):
+    k["scale"] = torch.ones(2)
+
+
+@pytest.mark.parametrize("mutate,match", [
+    (_bad_weight_count, r"weights: 5 tensors, the direct network \(layers = 2\) has 6"),
+    (_bad_momentum_numel, r"momentum\[1\]: numel 299 does not match targets\[1\] numel 300"),
+    (_bad_output_dtype, r"outputs\[0\]: dtype float16, must be float32"),
+    (_bad_weight_grad_numel, r"weight_grads\[2\]: numel 380 does not match weights\[2\]"),
+    (_bad_losses, r"losses: expected float32 with 2 elements"),
+    (_bad_hidden, r"hidden = 21: must be in \[1, 20\]"),
+    (_bad_layers, r"layers = 0: must be in \[1, 8\]"),
+    (_bad_divisor, r"divisor = nan: must be finite and >= 1"),
+    (_bad_has_prev, r"has_prev: 1 entries for 2 targets"),
+    (_aliased_output, r"outputs\[1\]: shares memory with momentum\[1\]"),
+    (_non_float_weight, r"weights\[0\]: expected float32, got float16"),
+    (_bad_scale, r"scale: expected float32 with 1 element"),
+])
+def test_bad_arguments_raise_and_write_nothing(mutate, match):
+    args, kw = _call_args()
+    mutate(args, kw)
+    before = _written(args)
+    with pytest.raises((ValueError, TypeError), match=match):
+        _C.cms_surrogate(*args.values(), **kw)
+    for a, b in zip(_written(args), before):
+        assert torch.equal(a, b)
