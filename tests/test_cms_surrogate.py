@@ -34,9 +34,12 @@ def _mlp(hidden, layers, seed=0):
 
 def _inputs(kind, gen, dtype=torch.float32):
     """targets and momenta per size; kind 'zero': A_0 as the reference has it (B1), 'grad': a
-    gradient, 'tiny': ||g|| below the 1e-8 threshold."""
+    gradient (one tensor's zero: both of the op's paths, with and without the norms pass, in one
+    call), 'tiny': ||g|| below the 1e-8 threshold."""
     scale = {"zero": 0.0, "grad": 1e-3, "tiny": 1e-12}[kind]
     targets = [(torch.randn(s, generator=gen) * scale).to(dtype) for s in SIZES]
+    if kind == "grad":
+        targets[3].zero_()
     moms = [torch.randn(s, generator=gen) * 10 ** float(torch.empty(1).uniform_(-5, -1,
                                                                           generator=gen))
             for s in SIZES]

@@ -428,6 +428,7 @@ static const cpu_cms_kernels TM_CAT(cpu_cms_kernels_, TM_ISA_SUFFIX) = {
     .stats = cms_stats_any,
     .update = cms_update_any,
     .apply = cms_apply_any,
+    .sur_gsq = sur_gsq_any,
     .sur_norms = sur_norms_any,
     .sur_grads = sur_grads_any,
 };

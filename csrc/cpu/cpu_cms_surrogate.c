@@ -1,15 +1,21 @@
 /*
  * cpu_cms_surrogate.c -- tm_cms_surrogate on the CPU: Phase 1 of the CMS step (spec
  * deep_nested_optimizer.md 7.2, loss 7.4), the DirectUpdateMLP's training gradient over the
- * chosen tensors, in two passes over their blocks (the loops: cpu_cms_surrogate_loops_impl.h,
- * per instruction set):
+ * chosen tensors, in passes over their blocks (the loops: cpu_cms_surrogate_loops_impl.h, per
+ * instruction set):
  *
- *   N  parallel: per block o = MLP(g, m) and the sums of o^2, o g, g^2, (o - prev)^2
- *   L  serial:   per tensor the norms, the loss and d loss / d o = co o + cg g + ct (o - prev)
- *   G  parallel: per block the forward again, o into outputs, the backward into the block's
- *                gradient partials. Running the forward twice costs less than keeping the
- *                activations: the reference's autograd holds [numel, 20] floats per layer.
- *   W  serial:   the partials summed in block order, over every tensor, into weight_grads
+ *   Z  parallel: per block sum g^2 (no MLP)
+ *   N  parallel: only for tensors with ||g|| > 1e-8, per block o = MLP(g, m) and the sums of o^2,
+ *                o g, (o - prev)^2: the loss gradient needs the norms there. Elsewhere (every
+ *                tensor under the reference's B1, whose g is zero) d loss / d o is known without
+ *                them, and the loss's sums come from pass G.
+ *   L  serial:   per tensor the loss (normed tensors) and d loss / d o = co o + cg g + ct (o - prev)
+ *   G  parallel: per block the forward (again, for normed tensors: cheaper than keeping the
+ *                activations, [numel, 20] floats per layer in the reference's autograd), o into
+ *                outputs, the sums of o^2 and (o - prev)^2, the backward into the block's
+ *                gradient partials
+ *   W  serial:   the other tensors' losses; the partials summed in block order, over every
+ *                tensor, into weight_grads
  *
  * The loss terms and their gradients (the reference's branches on the norms, eps = 1e-8, each
  * taken as torch's autograd differentiates it; a norm of 0 has gradient 0):
@@ -20,12 +26,21 @@
  *   T = mean((o - prev)^2) when has_prev:          d/do = 2 (o - prev) / numel
  *   loss = R + 0.1 M + 0.1 T, and the coefficients carry the 1 / count of the mean over tensors.
  *
- * Scratch: double parts[blocks][max(4, gradient entries)], then float coefs[count][3].
+ * Scratch: double parts[blocks][4 + gradient entries] (the sums, then the gradient), then
+ * sur_coefs[count].
  */
 #include <math.h>
 
 #include "../common/tm_tensor.h"
 #include "cpu_ops.h"
+
+/* Per tensor: d loss / d o's coefficients (with the 1 / count of the mean over tensors),
+ * whether pass N runs for it, its first block. */
+typedef struct {
+    float o, g, t;
+    int32_t normed;
+    int64_t first;
+} sur_coefs;
 
 typedef struct {
     const tm_cms_surrogate_tensors *t;
@@ -35,16 +50,16 @@ typedef struct {
     float scale;
     int64_t stride; /* doubles per block in parts */
     double *parts;
-    const float *coefs; /* [count][3], pass G */
+    sur_coefs *coefs;   /* [count] */
     void (*fn)(const cpu_sur_block *);
+    int only_normed;    /* pass N: skip the tensors with ||g|| <= eps */
 } sur_ctx;
 
 static int64_t
 parts_per_block(int32_t layers)
 {
     const int32_t l = layers < 1 ? 1 : (layers > TM_CMS_MAX_LAYERS ? TM_CMS_MAX_LAYERS : layers);
-    const int64_t g = cpu_sur_grad_entries(l);
-    return g > CPU_SUR_NORM_PARTS ? g : CPU_SUR_NORM_PARTS;
+    return CPU_SUR_NORM_PARTS + cpu_sur_grad_entries(l);
 }
 
 size_t
@@ -54,27 +69,50 @@ cpu_cms_surrogate_scratch_bytes(const tm_tensor_list *targets, int32_t layers)
         return 0;
     }
     return (size_t)cpu_count_blocks(targets) * (size_t)parts_per_block(layers) * sizeof(double) +
-           (size_t)targets->count * 3 * sizeof(float);
+           (size_t)targets->count * sizeof(sur_coefs);
+}
+
+static int
+has_prev(const tm_cms_surrogate_args *a, int32_t i)
+{
+    return a->has_prev != NULL && a->has_prev[i] != 0;
+}
+
+/* s = tensor i's sums, its blocks' summed in block order. */
+static void
+sum_blocks(const sur_ctx *x, int32_t i, double *s)
+{
+    const int64_t first = x->coefs[i].first;
+    const int64_t nb = cpu_blocks_of(x->t->targets.tensors[i].numel);
+    for (int q = 0; q < CPU_SUR_NORM_PARTS; q++) {
+        s[q] = 0.0;
+    }
+    for (int64_t b = first; b < first + nb; b++) {
+        for (int q = 0; q < CPU_SUR_NORM_PARTS; q++) {
+            s[q] += x->parts[b * x->stride + q];
+        }
+    }
 }
 
 static void
 sur_segment(void *vctx, int32_t i, int64_t b0, int64_t b1, int64_t global_block)
 {
     const sur_ctx *x = vctx;
+    if (x->only_normed && !x->coefs[i].normed) {
+        return;
+    }
     const tm_tensor *target = &x->t->targets.tensors[i];
     cpu_sur_block blk = {
         .dtype = target->dtype,
-        .has_prev = x->a->has_prev != NULL && x->a->has_prev[i] != 0,
+        .has_prev = has_prev(x->a, i),
         .scale = x->scale,
         .divisor = (float)x->a->divisor,
         .net = x->net,
         .w_hid_t = x->w_hid_t,
     };
-    if (x->coefs != NULL) {
-        blk.coef_o = x->coefs[3 * i];
-        blk.coef_g = x->coefs[3 * i + 1];
-        blk.coef_t = x->coefs[3 * i + 2];
-    }
+    blk.coef_o = x->coefs[i].o;
+    blk.coef_g = x->coefs[i].g;
+    blk.coef_t = x->coefs[i].t;
     for (int64_t b = b0; b < b1; b++) {
         int64_t off;
         blk.n = cpu_segment_elems(target->numel, b, b + 1, &off);
@@ -86,9 +124,10 @@ sur_segment(void *vctx, int32_t i, int64_t b0, int64_t b1, int64_t global_block)
     }
 }
 
-/* Step L for one tensor: its loss, and d loss / d o's coefficients (/ count) into c[3]. */
+/* Steps L and W for one tensor: its loss, and d loss / d o's coefficients (/ count) into c
+ * (which need only sum g^2 where ||g|| <= eps). */
 static float
-loss_and_coefs(const double *s, int64_t numel, int has_prev, int32_t count, float *c)
+loss_and_coefs(const double *s, int64_t numel, int has_prev, int32_t count, sur_coefs *c)
 {
     const double eps = 1e-8;
     const double on = sqrt(s[CPU_SUR_OO]);
@@ -114,9 +153,9 @@ loss_and_coefs(const double *s, int64_t numel, int has_prev, int32_t count, floa
         loss += 0.1 * (s[CPU_SUR_TT] / (double)numel);
         ct = 0.1 * 2.0 / (double)numel;
     }
-    c[0] = (float)(co / count);
-    c[1] = (float)(cg / count);
-    c[2] = (float)(ct / count);
+    c->o = (float)(co / count);
+    c->g = (float)(cg / count);
+    c->t = (float)(ct / count);
     return (float)loss;
 }
 
@@ -137,7 +176,7 @@ write_grads(const sur_ctx *x, int64_t blocks, int32_t hidden, int32_t layers)
             for (int32_t c = 0; c < h_cols; c++) {
                 double sum = 0.0;
                 for (int64_t b = 0; b < blocks; b++) {
-                    sum += x->parts[b * x->stride + q + (int64_t)r * cols + c];
+                    sum += x->parts[b * x->stride + CPU_SUR_NORM_PARTS + q + (int64_t)r * cols + c];
                 }
                 out[r * h_cols + c] = (float)sum;
             }
@@ -185,28 +224,43 @@ cpu_cms_surrogate(const tm_cms_surrogate_tensors *t, const tm_cms_surrogate_args
         .stride = parts_per_block(a->layers),
         .parts = exec->scratch,
     };
-    float *coefs = (float *)(x.parts + blocks * x.stride);
-    const cpu_cms_kernels *k = cpu_active_kernels()->cms;
-    x.fn = k->sur_norms;
-    cpu_for_each_block(&t->targets, exec, sur_segment, &x);
-    float *losses = in->losses.data;
+    x.coefs = (sur_coefs *)(x.parts + blocks * x.stride);
     int64_t first = 0;
     for (int32_t i = 0; i < count; i++) {
-        const int64_t numel = t->targets.tensors[i].numel;
-        const int64_t nb = cpu_blocks_of(numel);
-        double s[CPU_SUR_NORM_PARTS] = {0.0};
-        for (int64_t b = first; b < first + nb; b++) {
-            for (int q = 0; q < CPU_SUR_NORM_PARTS; q++) {
-                s[q] += x.parts[b * x.stride + q];
-            }
-        }
-        const int has_prev = a->has_prev != NULL && a->has_prev[i] != 0;
-        losses[i] = loss_and_coefs(s, numel, has_prev, count, coefs + 3 * i);
-        first += nb;
+        x.coefs[i] = (sur_coefs){.first = first};
+        first += cpu_blocks_of(t->targets.tensors[i].numel);
     }
-    x.coefs = coefs;
+    const cpu_cms_kernels *k = cpu_active_kernels()->cms;
+    x.fn = k->sur_gsq;
+    cpu_for_each_block(&t->targets, exec, sur_segment, &x);
+    double s[CPU_SUR_NORM_PARTS];
+    for (int32_t i = 0; i < count; i++) {
+        sum_blocks(&x, i, s);
+        x.coefs[i].normed = sqrt(s[CPU_SUR_GG]) > 1e-8;
+    }
+    x.fn = k->sur_norms;
+    x.only_normed = 1;
+    cpu_for_each_block(&t->targets, exec, sur_segment, &x);
+    x.only_normed = 0;
+    float *losses = in->losses.data;
+    for (int32_t i = 0; i < count; i++) {
+        sum_blocks(&x, i, s);
+        if (!x.coefs[i].normed) { /* the coefficients need only sum g^2; the loss comes later */
+            s[CPU_SUR_OO] = s[CPU_SUR_OG] = s[CPU_SUR_TT] = 0.0;
+        }
+        losses[i] = loss_and_coefs(s, t->targets.tensors[i].numel, has_prev(a, i), count,
+                                   &x.coefs[i]);
+    }
     x.fn = k->sur_grads;
     cpu_for_each_block(&t->targets, exec, sur_segment, &x);
+    for (int32_t i = 0; i < count; i++) {
+        if (!x.coefs[i].normed) {
+            sur_coefs same;
+            sum_blocks(&x, i, s);
+            losses[i] = loss_and_coefs(s, t->targets.tensors[i].numel, has_prev(a, i), count,
+                                       &same);
+        }
+    }
     write_grads(&x, blocks, a->hidden, a->layers);
     return TM_OK;
 }

@@ -112,6 +112,49 @@ sur_forward_derivs(const tm_cms_direct_net *net, sur_tile *t, int cnt)
     sur_tile_forward(net, t, cnt, 1);
 }
 
+/* oo[lane] += o^2 and tt[lane] += (o - prev)^2 over the tile (0 in the padding). */
+CPU_INLINE void
+sur_tile_loss_sums_at(const sur_tile *t, double (*restrict oo)[CPU_ACC],
+                      double (*restrict tt)[CPU_ACC])
+{
+    for (int e = 0; e < CMS_TILE; e += CPU_ACC) {
+#pragma GCC unroll 8
+        for (int j = 0; j < CPU_ACC; j++) {
+            const double o = t->out[e + j];
+            const double d = tm_fadd(t->out[e + j], -t->prev[e + j]);
+            oo[0][j] += o * o;
+            tt[0][j] += d * d;
+        }
+    }
+}
+
+CPU_INLINE void
+sur_tile_loss_sums(const sur_tile *t, double (*restrict sums)[CPU_ACC])
+{
+    sur_tile_loss_sums_at(t, sums, sums + 1);
+}
+
+/* sum g^2 over the block, g as sur_tile_inputs forms it. */
+CPU_INLINE void
+sur_gsq(const cpu_sur_block *b, tm_dtype dt)
+{
+    double acc[CPU_ACC] = {0.0};
+    const int64_t full = b->n - b->n % CPU_ACC;
+    for (int64_t i = 0; i < full; i += CPU_ACC) {
+#pragma GCC unroll 8
+        for (int j = 0; j < CPU_ACC; j++) {
+            const double g = tm_fdiv(tm_fmul(load_elem(b->target, i + j, dt), b->scale),
+                                     b->divisor);
+            acc[j] += g * g;
+        }
+    }
+    for (int64_t i = full; i < b->n; i++) {
+        const double g = tm_fdiv(tm_fmul(load_elem(b->target, i, dt), b->scale), b->divisor);
+        acc[i % CPU_ACC] += g * g;
+    }
+    b->parts[CPU_SUR_GG] = cms_join(acc);
+}
+
 CPU_INLINE void
 sur_norms(const cpu_sur_block *b, tm_dtype dt)
 {
@@ -124,19 +167,14 @@ sur_norms(const cpu_sur_block *b, tm_dtype dt)
         for (int e = 0; e < CMS_TILE; e += CPU_ACC) {
 #pragma GCC unroll 8
             for (int j = 0; j < CPU_ACC; j++) {
-                const double o = t.out[e + j];
-                const double g = t.g[e + j];
-                const double d = tm_fadd(t.out[e + j], -t.prev[e + j]);
-                acc[CPU_SUR_OO][j] += o * o;
-                acc[CPU_SUR_OG][j] += o * g;
-                acc[CPU_SUR_GG][j] += g * g;
-                acc[CPU_SUR_TT][j] += d * d;
+                acc[CPU_SUR_OG][j] += (double)t.out[e + j] * (double)t.g[e + j];
             }
         }
+        sur_tile_loss_sums_at(&t, acc + CPU_SUR_OO, acc + CPU_SUR_TT);
     }
-    for (int q = 0; q < CPU_SUR_NORM_PARTS; q++) {
-        b->parts[q] = cms_join(acc[q]);
-    }
+    b->parts[CPU_SUR_OO] = cms_join(acc[CPU_SUR_OO]);
+    b->parts[CPU_SUR_OG] = cms_join(acc[CPU_SUR_OG]);
+    b->parts[CPU_SUR_TT] = cms_join(acc[CPU_SUR_TT]); /* g^2: sur_gsq's */
 }
 
 /* acc[j * cols + k][lane] += d[j][e] x[k][e] over the tile (e % CPU_ACC = lane), for rows j in
@@ -299,6 +337,8 @@ sur_grads(const cpu_sur_block *b, tm_dtype dt)
     float d[2][SUR_MH][CMS_TILE];
     float dout[1][CMS_TILE];
     float acc[SUR_MAX_GRAD][CPU_ACC];
+    double sums[2][CPU_ACC] = {{0.0}}; /* o^2, (o - prev)^2: the loss of a tensor whose norms
+                                          pass was skipped */
     for (int64_t q = 0; q < entries; q++) {
         for (int j = 0; j < CPU_ACC; j++) {
             acc[q][j] = 0.0f;
@@ -309,6 +349,7 @@ sur_grads(const cpu_sur_block *b, tm_dtype dt)
         sur_tile_inputs(b, s, cnt, dt, &t);
         sur_forward_derivs(net, &t, cnt);
         sur_tile_dout(b, s, cnt, &t, dout);
+        sur_tile_loss_sums(&t, sums);
         /* output layer: dW_out += dout a_{L-1}, db_out += dout; d = w_out dout * SiLU' */
         sur_outer_last(acc + off_w_out, (const float (*)[CMS_TILE])dout,
                        (const float (*)[CMS_TILE])t.act[layers - 1]);
@@ -334,19 +375,30 @@ sur_grads(const cpu_sur_block *b, tm_dtype dt)
         sur_outer_first(acc, (const float (*)[CMS_TILE])d[cur], (const float (*)[CMS_TILE])t.x);
         sur_accum_rows(acc + off_b_in, (const float (*)[CMS_TILE])d[cur], SUR_MH);
     }
+    b->parts[CPU_SUR_OO] = cms_join(sums[0]);
+    b->parts[CPU_SUR_TT] = cms_join(sums[1]);
+    double *grad = b->parts + CPU_SUR_NORM_PARTS;
     for (int64_t q = 0; q < entries; q++) {
-        b->parts[q] = ((acc[q][0] + (double)acc[q][1]) + (acc[q][2] + (double)acc[q][3])) +
-                      ((acc[q][4] + (double)acc[q][5]) + (acc[q][6] + (double)acc[q][7]));
+        grad[q] = ((acc[q][0] + (double)acc[q][1]) + (acc[q][2] + (double)acc[q][3])) +
+                  ((acc[q][4] + (double)acc[q][5]) + (acc[q][6] + (double)acc[q][7]));
     }
 }
 
 #define CPU_DEFINE_SUR(DT, DTYPE)                                                                  \
+    static void sur_gsq_##DT(const cpu_sur_block *b) { sur_gsq(b, DTYPE); }                        \
     static void sur_norms_##DT(const cpu_sur_block *b) { sur_norms(b, DTYPE); }                    \
     static void sur_grads_##DT(const cpu_sur_block *b) { sur_grads(b, DTYPE); }
 
 CPU_DEFINE_SUR(f32, TM_FLOAT32)
 CPU_DEFINE_SUR(f16, TM_FLOAT16)
 CPU_DEFINE_SUR(bf16, TM_BFLOAT16)
+
+static void
+sur_gsq_any(const cpu_sur_block *b)
+{
+    b->dtype == TM_FLOAT32 ? sur_gsq_f32(b)
+                           : (b->dtype == TM_FLOAT16 ? sur_gsq_f16(b) : sur_gsq_bf16(b));
+}
 
 static void
 sur_norms_any(const cpu_sur_block *b)

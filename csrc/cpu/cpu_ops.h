@@ -85,10 +85,10 @@ typedef struct {
     float coef_o, coef_g, coef_t; /* gradient pass: d loss / d o = co o + cg g + ct (o - prev) */
     const tm_cms_direct_net *net;
     const float *w_hid_t; /* [L - 1][20][20]: each hidden layer's W^T (the backward) */
-    double *parts;      /* norms pass: CPU_SUR_NORM_PARTS sums; gradient pass: the gradient */
+    double *parts;      /* the block's CPU_SUR_NORM_PARTS sums, then its gradient partials */
 } cpu_sur_block;
 
-/* Partial sums of the surrogate's norms pass: sum o^2, sum o g, sum g^2, sum (o - prev)^2. */
+/* The surrogate's per-block sums: o^2, o g, g^2, (o - prev)^2. */
 enum { CPU_SUR_OO, CPU_SUR_OG, CPU_SUR_GG, CPU_SUR_TT, CPU_SUR_NORM_PARTS };
 
 /* Entries of the surrogate's gradient in the padded network's layout (module order: W_in
@@ -105,8 +105,10 @@ typedef struct {
     void (*stats)(const cpu_cms_block *b);  /* LEGACY pass S: shifted sums of m and g^ */
     void (*update)(const cpu_cms_block *b); /* pass A: accumulate, g^, e, v, m', sums */
     void (*apply)(const cpu_cms_block *b);  /* pass B: clamp, contributions, p */
+    void (*sur_gsq)(const cpu_sur_block *b);   /* surrogate: sum g^2 */
     void (*sur_norms)(const cpu_sur_block *b); /* surrogate: o, the four sums */
-    void (*sur_grads)(const cpu_sur_block *b); /* surrogate: o out, the weights' gradient */
+    void (*sur_grads)(const cpu_sur_block *b); /* surrogate: o out, sums of o^2, (o - prev)^2,
+                                                  the weights' gradient */
 } cpu_cms_kernels;
 
 /* The loop bodies of one instruction set, indexed by tm_dtype. */
