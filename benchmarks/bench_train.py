@@ -2,7 +2,8 @@
 DeepNestedOptimizer (titanmac_c._reference_dno: a faithful stand-in for the upstream optimizer,
 host syncs included) and with titanmac_c.DeepNestedOptimizer, and report per implementation:
 steps per second, optimizer time per step (median, and mean: in CMS mode every 5th step also
-trains the momentum MLP in torch autograd (Phase 1), which the median leaves out), and on CUDA
+trains the momentum MLP (Phase 1: torch autograd in the reference and ours on CUDA, the C core in
+ours on the CPU), which the median leaves out), and on CUDA
 kernel launches and host syncs inside one optimizer step, plus the loss after the run (the two
 must agree).
 

@@ -10,6 +10,7 @@
  *                  gradient is loaded, and an optional skip flag
  *   tm_dno_control the DeepNestedOptimizer's control step (loss EMA, controller, lr, clip, skip)
  *   tm_cms_step    the DeepNestedOptimizer's CMS update (multi-level momentum, learned MLP)
+ *   tm_cms_surrogate  the gradient of its DirectUpdateMLP's surrogate loss (CMS Phase 1; CPU)
  *
  * Every scalar a step may need to change without the host looking (learning rates, step counts,
  * gradient scale, skip flag, norms) lives in tensor memory on the tensors' device, so a CUDA step
