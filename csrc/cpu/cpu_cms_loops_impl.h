@@ -392,35 +392,21 @@ cms_apply(const cpu_cms_block *b, tm_dtype dt)
     }
 }
 
-#define CPU_DEFINE_CMS(DT, DTYPE)                                                                  \
-    static void cms_update_##DT(const cpu_cms_block *b) { cms_update(b, DTYPE); }                  \
-    static void cms_stats_##DT(const cpu_cms_block *b) { cms_stats(b, DTYPE); }                    \
-    static void cms_apply_##DT(const cpu_cms_block *b) { cms_apply(b, DTYPE); }
+/* NAME_any(b) = NAME(b, b->dtype), through one specialisation per dtype (a constant dtype folds
+ * the loads' conversions away inside each). */
+#define CPU_DEFINE_BY_DTYPE(NAME, BLOCK)                                                           \
+    static void NAME##_f32(const BLOCK *b) { NAME(b, TM_FLOAT32); }                                \
+    static void NAME##_f16(const BLOCK *b) { NAME(b, TM_FLOAT16); }                                \
+    static void NAME##_bf16(const BLOCK *b) { NAME(b, TM_BFLOAT16); }                              \
+    static void NAME##_any(const BLOCK *b)                                                         \
+    {                                                                                              \
+        b->dtype == TM_FLOAT32 ? NAME##_f32(b)                                                     \
+                               : (b->dtype == TM_FLOAT16 ? NAME##_f16(b) : NAME##_bf16(b));        \
+    }
 
-CPU_DEFINE_CMS(f32, TM_FLOAT32)
-CPU_DEFINE_CMS(f16, TM_FLOAT16)
-CPU_DEFINE_CMS(bf16, TM_BFLOAT16)
-
-static void
-cms_update_any(const cpu_cms_block *b)
-{
-    b->dtype == TM_FLOAT32 ? cms_update_f32(b)
-                           : (b->dtype == TM_FLOAT16 ? cms_update_f16(b) : cms_update_bf16(b));
-}
-
-static void
-cms_stats_any(const cpu_cms_block *b)
-{
-    b->dtype == TM_FLOAT32 ? cms_stats_f32(b)
-                           : (b->dtype == TM_FLOAT16 ? cms_stats_f16(b) : cms_stats_bf16(b));
-}
-
-static void
-cms_apply_any(const cpu_cms_block *b)
-{
-    b->dtype == TM_FLOAT32 ? cms_apply_f32(b)
-                           : (b->dtype == TM_FLOAT16 ? cms_apply_f16(b) : cms_apply_bf16(b));
-}
+CPU_DEFINE_BY_DTYPE(cms_update, cpu_cms_block)
+CPU_DEFINE_BY_DTYPE(cms_stats, cpu_cms_block)
+CPU_DEFINE_BY_DTYPE(cms_apply, cpu_cms_block)
 
 #include "cpu_cms_surrogate_loops_impl.h"
 

@@ -384,32 +384,6 @@ sur_grads(const cpu_sur_block *b, tm_dtype dt)
     }
 }
 
-#define CPU_DEFINE_SUR(DT, DTYPE)                                                                  \
-    static void sur_gsq_##DT(const cpu_sur_block *b) { sur_gsq(b, DTYPE); }                        \
-    static void sur_norms_##DT(const cpu_sur_block *b) { sur_norms(b, DTYPE); }                    \
-    static void sur_grads_##DT(const cpu_sur_block *b) { sur_grads(b, DTYPE); }
-
-CPU_DEFINE_SUR(f32, TM_FLOAT32)
-CPU_DEFINE_SUR(f16, TM_FLOAT16)
-CPU_DEFINE_SUR(bf16, TM_BFLOAT16)
-
-static void
-sur_gsq_any(const cpu_sur_block *b)
-{
-    b->dtype == TM_FLOAT32 ? sur_gsq_f32(b)
-                           : (b->dtype == TM_FLOAT16 ? sur_gsq_f16(b) : sur_gsq_bf16(b));
-}
-
-static void
-sur_norms_any(const cpu_sur_block *b)
-{
-    b->dtype == TM_FLOAT32 ? sur_norms_f32(b)
-                           : (b->dtype == TM_FLOAT16 ? sur_norms_f16(b) : sur_norms_bf16(b));
-}
-
-static void
-sur_grads_any(const cpu_sur_block *b)
-{
-    b->dtype == TM_FLOAT32 ? sur_grads_f32(b)
-                           : (b->dtype == TM_FLOAT16 ? sur_grads_f16(b) : sur_grads_bf16(b));
-}
+CPU_DEFINE_BY_DTYPE(sur_gsq, cpu_sur_block)
+CPU_DEFINE_BY_DTYPE(sur_norms, cpu_sur_block)
+CPU_DEFINE_BY_DTYPE(sur_grads, cpu_sur_block)

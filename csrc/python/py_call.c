@@ -90,19 +90,20 @@ py_parse_groups(py_batch *b, PyObject *groups, tm_adamw_args *a)
 }
 
 int
-py_parse_group_of(py_batch *b, PyObject *obj, int32_t count, const char *of, const int32_t **out)
+py_parse_ints(py_batch *b, PyObject *obj, const char *name, int32_t count, const char *of,
+              const int32_t **out)
 {
     *out = NULL;
     if (obj == Py_None) {
         return 0;
     }
     if (!PyList_Check(obj) && !PyTuple_Check(obj)) {
-        PyErr_Format(PyExc_TypeError, "group_of: expected a list of ints or None, got %.100s",
+        PyErr_Format(PyExc_TypeError, "%s: expected a list of ints or None, got %.100s", name,
                      Py_TYPE(obj)->tp_name);
         return -1;
     }
     if (PySequence_Fast_GET_SIZE(obj) != count) {
-        PyErr_Format(PyExc_ValueError, "group_of: %zd entries for %d %s",
+        PyErr_Format(PyExc_ValueError, "%s: %zd entries for %d %s", name,
                      PySequence_Fast_GET_SIZE(obj), (int)count, of);
         return -1;
     }
@@ -112,15 +113,15 @@ py_parse_group_of(py_batch *b, PyObject *obj, int32_t count, const char *of, con
     }
     for (int32_t i = 0; i < count; i++) {
         PyObject *item = PySequence_Fast_GET_ITEM(obj, i); /* exact ints run no Python code */
-        if (!PyLong_Check(item)) {
-            PyErr_Format(PyExc_TypeError, "group_of[%d]: expected an int, got %.100s", (int)i,
+        if (!PyLong_Check(item)) { /* bools are ints */
+            PyErr_Format(PyExc_TypeError, "%s[%d]: expected an int, got %.100s", name, (int)i,
                          Py_TYPE(item)->tp_name);
             return -1;
         }
         long v = PyLong_AsLong(item);
         if ((v == -1 && PyErr_Occurred()) || v < INT32_MIN || v > INT32_MAX) {
             PyErr_Clear();
-            PyErr_Format(PyExc_ValueError, "group_of[%d]: out of range", (int)i);
+            PyErr_Format(PyExc_ValueError, "%s[%d]: out of range", name, (int)i);
             return -1;
         }
         g[i] = (int32_t)v;

@@ -18,9 +18,10 @@ typedef struct {
 /* groups: [(beta1, beta2, eps, weight_decay, maximize), ...] -> a->groups, a->num_groups. */
 int py_parse_groups(py_batch *b, PyObject *groups, tm_adamw_args *a);
 
-/* None -> NULL; else a list of exactly count ints (one per tensor of the list named `of`). */
-int py_parse_group_of(py_batch *b, PyObject *obj, int32_t count, const char *of,
-                      const int32_t **out);
+/* None -> NULL; else a list of exactly count ints or bools (one per tensor of the list named
+ * `of`), the argument called `name` in messages: group_of, has_prev. */
+int py_parse_ints(py_batch *b, PyObject *obj, const char *name, int32_t count, const char *of,
+                  const int32_t **out);
 
 /* Fill c for a call on dev's device: threads, stream (CUDA), scratch of at least `need` bytes
  * (the op's *_scratch_bytes, named by sizer in messages). */

@@ -200,7 +200,7 @@ py_cms_step(PyObject *module, PyObject *args, PyObject *kwargs)
     memset(&t, 0, sizeof t);
     py_batch_init(&b, py_get_state(module));
     if (import_cms(&b, o, opt, &t, &in, &k) < 0 || parse_level_numbers(req, k, &a) < 0 ||
-        py_parse_group_of(&b, o[8], t.params.count, "params", &a.group_of) < 0) {
+        py_parse_ints(&b, o[8], "group_of", t.params.count, "params", &a.group_of) < 0) {
         goto done;
     }
     a.levels = (int32_t)k;
@@ -251,41 +251,6 @@ py_cms_scratch_bytes(PyObject *module, PyObject *args, PyObject *kwargs)
 }
 
 /* ---------------------------------------------------------------- cms_surrogate ---- */
-
-/* None -> NULL; else exactly count bools (or ints), one per target. */
-static int
-parse_has_prev(py_batch *b, PyObject *obj, int32_t count, const int32_t **out)
-{
-    *out = NULL;
-    if (obj == Py_None) {
-        return 0;
-    }
-    if (!PyList_Check(obj) && !PyTuple_Check(obj)) {
-        PyErr_Format(PyExc_TypeError, "has_prev: expected a list of bools or None, got %.100s",
-                     Py_TYPE(obj)->tp_name);
-        return -1;
-    }
-    if (PySequence_Fast_GET_SIZE(obj) != count) {
-        PyErr_Format(PyExc_ValueError, "has_prev: %zd entries for %d targets",
-                     PySequence_Fast_GET_SIZE(obj), (int)count);
-        return -1;
-    }
-    int32_t *flags = py_batch_alloc(b, (size_t)(count > 0 ? count : 1) * sizeof *flags);
-    if (flags == NULL) {
-        return -1;
-    }
-    for (int32_t i = 0; i < count; i++) {
-        PyObject *item = PySequence_Fast_GET_ITEM(obj, i); /* exact ints run no Python code */
-        if (!PyLong_Check(item)) {
-            PyErr_Format(PyExc_TypeError, "has_prev[%d]: expected a bool, got %.100s", (int)i,
-                         Py_TYPE(item)->tp_name);
-            return -1;
-        }
-        flags[i] = PyObject_IsTrue(item);
-    }
-    *out = flags;
-    return 0;
-}
 
 /* divisor, hidden, layers (keyword-only, required). */
 static int
@@ -346,7 +311,7 @@ py_cms_surrogate(PyObject *module, PyObject *args, PyObject *kwargs)
     }
     if (py_import(&b, o[5], "losses", -1, 0, &in.losses, NULL, NULL) < 0 ||
         py_import_optional(&b, scale, "scale", &in.scale) < 0 ||
-        parse_has_prev(&b, has_prev, t.targets.count, &a.has_prev) < 0 ||
+        py_parse_ints(&b, has_prev, "has_prev", t.targets.count, "targets", &a.has_prev) < 0 ||
         py_setup_call(&b, py_first_or(&t.targets, &in.losses), num_threads, stream, scratch,
                       tm_cms_surrogate_scratch_bytes(&t.targets, a.layers),
                       "cms_surrogate_scratch_bytes", &c) < 0) {
