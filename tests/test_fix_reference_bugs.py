@@ -2,13 +2,14 @@
 (spec deep_nested_optimizer.md section 14). Off by default; these tests check each correction does
 what the README says."""
 
+import copy
 import math
 
 import torch
 
 import titanmac_c
 from titanmac_c._cms import level_frequencies
-from titanmac_c._reference_dno import preprocess_gradient
+from titanmac_c._reference_dno import compute_surrogate_loss, preprocess_gradient
 from dno_models import loss_fn, make_mlp_10_32_5, synthetic_batches
 
 
@@ -78,3 +79,39 @@ def test_corrected_run_trains():
             opt.step(loss.item())
             losses.append(loss.item())
         assert math.isfinite(losses[-1]) and sum(losses[-10:]) < sum(losses[:10])
+
+
+def test_b1_phase1_on_the_cpu_trains_like_the_autograd_path():
+    """With the fix Phase 1's target is the clipped gradient (the C core's normed path, the
+    cosine term active). From one state (a deep copy before each step: the DirectUpdateMLP
+    dynamics would amplify rounding, spec 7), the CPU's Phase 1 (tm_cms_surrogate) and the
+    autograd Phase 1 (CUDA's, with torch's bits) move the MLP alike: every weight within 1e-3 of
+    the Adam step size (lr 1e-3), the surrogate losses within 1e-5."""
+    model, opt = _opt(max_grad_norm=0.5)
+    for step, batch in enumerate(synthetic_batches("mlp", 15, seed=4), start=1):
+        model_b, opt_b = copy.deepcopy((model, opt))
+        opt_b._phase1_fused = opt_b._phase1_autograd
+        before = (copy.deepcopy(opt.momentum_mlp),
+                  [opt.state[p]["momentum"][0].clone() for p in model.parameters()],
+                  {i: o.clone() for i, o in opt._mlp_output_history.items()})
+        results = []
+        for m, o in ((model, opt), (model_b, opt_b)):
+            o.zero_grad()
+            loss = loss_fn(m, batch)
+            loss.backward()
+            results.append(o.step(loss.item()))
+        if step % opt.mlp_train_freq == 0:
+            # the spec's loss on g0 = clipped gradient / max(f_0, 1) (f_0 = 1), from the state
+            # before the step (.grad keeps the unclipped values; opt._coef is the clip's)
+            mlp, moms, history = before
+            expected = torch.stack([
+                compute_surrogate_loss(mlp(p.grad * opt._coef, m), p.grad * opt._coef,
+                                       history.get(opt._cms.index[p]))
+                for p, m in zip(model.parameters(), moms)]).mean()
+            torch.testing.assert_close(results[0]["surrogate_loss"], expected, rtol=1e-5, atol=0)
+            for (name, wa), wb in zip(opt.momentum_mlp.named_parameters(),
+                                      opt_b.momentum_mlp.parameters()):
+                torch.testing.assert_close(wa, wb, rtol=0, atol=1e-6,
+                                           msg=lambda m: f"step {step} {name}: {m}")
+            torch.testing.assert_close(results[0]["surrogate_loss"],
+                                       results[1]["surrogate_loss"], rtol=1e-5, atol=0)
