@@ -5,12 +5,14 @@
  * which both passes reuse. cpu_cms_surrogate.c drives the passes and has the loss's formulas.
  *
  * Tiles of CMS_TILE elements, one SIMD lane per element (a block's last tile is padded with
- * zero inputs whose loss gradient is 0, so they add exact zeros):
- *   norms pass:    g, the features, the forward, sums of o^2, o g, g^2, (o - prev)^2
+ * zero inputs and o = 0, whose loss gradient is 0, so they add exact zeros):
+ *   g^2 pass:      sum g^2 (no MLP)
+ *   norms pass:    g, the features, the forward, sums of o^2, o g, (o - prev)^2
  *   gradient pass: the same forward keeping every layer's SiLU output and derivative, d loss / d o
- *                  from the tensor's coefficients, o into outputs, then the backward: each layer's
- *                  gradient rows d_j and the layer's inputs x_k give dW[j][k] += d_j x_k and
- *                  db[j] += d_j, and d goes down through W^T and SiLU's derivative.
+ *                  from the tensor's coefficients, o into outputs, sums of o^2 and (o - prev)^2,
+ *                  then the backward: each layer's gradient rows d_j and the layer's inputs x_k
+ *                  give dW[j][k] += d_j x_k and db[j] += d_j, and d goes down through W^T and
+ *                  SiLU's derivative.
  * The weights' gradient is summed over the block in float with FMAs, in CPU_ACC lanes (element
  * e to lane e % 8, as every CPU reduction here: the same bits on every ISA and thread count),
  * and each entry's lanes are joined pairwise in double at the block's end. The forward is the
