@@ -155,6 +155,8 @@ sur_gsq(const cpu_sur_block *b, tm_dtype dt)
         acc[i % CPU_ACC] += g * g;
     }
     b->parts[CPU_SUR_GG] = cms_join(acc);
+    /* the other sums start at 0: passes N and G write those they compute */
+    b->parts[CPU_SUR_OO] = b->parts[CPU_SUR_OG] = b->parts[CPU_SUR_TT] = 0.0;
 }
 
 CPU_INLINE void
