@@ -81,7 +81,7 @@ def _assert_grads(ours, ref, names, step):
         torch.testing.assert_close(a, b, rtol=0, atol=tol, msg=lambda m: f"step {step} {name}: {m}")
 
 
-@pytest.mark.parametrize("hidden,layers", [(20, 2), (7, 1), (20, 3), (13, 2)])
+@pytest.mark.parametrize("hidden,layers", [(20, 2), (7, 1), (20, 3), (13, 2), (20, 8)])
 @pytest.mark.parametrize("kind", ["zero", "grad", "tiny"])
 def test_gradient_matches_autograd_over_steps(hidden, layers, kind):
     gen = torch.Generator().manual_seed(hidden * 10 + layers)
