@@ -233,7 +233,7 @@ class CMSModeMixin:
         for i, p, prev in zip(idx, selected, has_prev):
             if not prev:  # the first call on this tensor (or a history of another shape)
                 history[i] = torch.empty(p.shape, dtype=torch.float32, device=p.device)
-        weights = [w for w in self.momentum_mlp.parameters()]
+        weights = list(self.momentum_mlp.parameters())
         for w in weights:
             w.grad = torch.empty_like(w)
         losses = torch.empty(len(selected), dtype=torch.float32, device=self.device)

@@ -25,9 +25,10 @@ meta-updates train them with torch autograd, as the reference does.
 CMS mode (use_cms_updates=True, spec 7): the same statistics/control calls, then Phase 1 (the
 surrogate training of DirectUpdateMLP every 5 steps: its gradient from the C core on the CPU,
 tm_cms_surrogate, and from torch autograd with the reference's branches as device-side selects on
-CUDA; the reference's clip and Adam step) and Phase 2 as one call of the C core (tm_cms_step: accumulation, level
-firings, EMAs, the momentum network per element or per tensor, the clamp, the NaN skips, the
-sqrt(n) combination, weight decay and the update). CMS buffers exist only in CMS mode.
+CUDA; the reference's clip and Adam step) and Phase 2 as one call of the C core (tm_cms_step:
+accumulation, level firings, EMAs, the momentum network per element or per tensor, the clamp,
+the NaN skips, the sqrt(n) combination, weight decay and the update). CMS buffers exist only in
+CMS mode.
 
 Layout: this file holds the constructor, the public surface, the step's order and checkpoints;
 _dno_control.py the statistics and control calls, _cms.py the CMS mode, _dno_graph.py the

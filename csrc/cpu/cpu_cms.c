@@ -116,15 +116,8 @@ cms_segment(void *vctx, int32_t i, int64_t b0, int64_t b1, int64_t global_block)
 static void
 combine(const cms_ctx *x, int64_t first, int64_t nb, int32_t l, int32_t count, double *out)
 {
-    for (int32_t q = 0; q < count; q++) {
-        out[q] = 0.0;
-    }
-    for (int64_t b = first; b < first + nb; b++) {
-        const double *p = x->part + (b * x->levels + l) * x->parts;
-        for (int32_t q = 0; q < count; q++) {
-            out[q] += p[q];
-        }
-    }
+    const int64_t stride = (int64_t)x->levels * x->parts;
+    cpu_sum_blocks(x->part + first * stride + (int64_t)l * x->parts, stride, nb, count, out);
 }
 
 /* Step C: (a, b, 1 - d) of every firing (tensor, level) from its stats and the context. */

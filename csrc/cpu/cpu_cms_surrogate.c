@@ -82,16 +82,8 @@ has_prev(const tm_cms_surrogate_args *a, int32_t i)
 static void
 sum_blocks(const sur_ctx *x, int32_t i, double *s)
 {
-    const int64_t first = x->coefs[i].first;
-    const int64_t nb = cpu_blocks_of(x->t->targets.tensors[i].numel);
-    for (int q = 0; q < CPU_SUR_NORM_PARTS; q++) {
-        s[q] = 0.0;
-    }
-    for (int64_t b = first; b < first + nb; b++) {
-        for (int q = 0; q < CPU_SUR_NORM_PARTS; q++) {
-            s[q] += x->parts[b * x->stride + q];
-        }
-    }
+    cpu_sum_blocks(x->parts + x->coefs[i].first * x->stride, x->stride,
+                   cpu_blocks_of(x->t->targets.tensors[i].numel), CPU_SUR_NORM_PARTS, s);
 }
 
 static void
@@ -159,11 +151,15 @@ loss_and_coefs(const double *s, int64_t numel, int has_prev, int32_t count, sur_
     return (float)loss;
 }
 
-/* Step W: entry q of the padded layout summed over every block, into weight k's real entry. */
+/* Step W: every entry of the padded layout summed over all blocks, into its weight's real
+ * entry. */
 static void
 write_grads(const sur_ctx *x, int64_t blocks, int32_t hidden, int32_t layers)
 {
     const int32_t mh = TM_CMS_DIRECT_MAX_HIDDEN;
+    double grad[CPU_SUR_MAX_GRAD_ENTRIES];
+    cpu_sum_blocks(x->parts + CPU_SUR_NORM_PARTS, x->stride, blocks,
+                   cpu_sur_grad_entries(layers), grad);
     int64_t q = 0; /* ends at cpu_sur_grad_entries(layers) */
     for (int32_t k = 0; k < x->t->weight_grads.count; k++) {
         const int last = k >= 2 * layers;
@@ -174,11 +170,7 @@ write_grads(const sur_ctx *x, int64_t blocks, int32_t hidden, int32_t layers)
         float *out = x->t->weight_grads.tensors[k].data;
         for (int32_t r = 0; r < h_rows; r++) {
             for (int32_t c = 0; c < h_cols; c++) {
-                double sum = 0.0;
-                for (int64_t b = 0; b < blocks; b++) {
-                    sum += x->parts[b * x->stride + CPU_SUR_NORM_PARTS + q + (int64_t)r * cols + c];
-                }
-                out[r * h_cols + c] = (float)sum;
+                out[r * h_cols + c] = (float)grad[q + (int64_t)r * cols + c];
             }
         }
         q += (int64_t)rows * cols;

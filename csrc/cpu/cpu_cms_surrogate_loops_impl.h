@@ -24,8 +24,6 @@
 #endif
 
 #define SUR_MH TM_CMS_DIRECT_MAX_HIDDEN
-#define SUR_MAX_GRAD (SUR_MH * TM_CMS_DIRECT_IN + SUR_MH + \
-                      (TM_CMS_MAX_LAYERS - 1) * (SUR_MH * SUR_MH + SUR_MH) + SUR_MH + 1)
 
 typedef struct {
     float g[CMS_TILE];
@@ -35,6 +33,13 @@ typedef struct {
     float dact[TM_CMS_MAX_LAYERS][SUR_MH][CMS_TILE];      /* their derivatives (gradient pass) */
     float out[CMS_TILE];                                  /* o */
 } sur_tile;
+
+/* g = target * scale / divisor, the reference's float ops in its order. */
+CPU_INLINE float
+sur_g(const cpu_sur_block *b, float target)
+{
+    return tm_fdiv(tm_fmul(target, b->scale), b->divisor);
+}
 
 /* g = target * scale / divisor, prev and the four features of elements [s, s + cnt). A partial
  * tile is padded with zero inputs, and after the forward with o = 0 (sur_tile_pad): every sum
@@ -59,7 +64,7 @@ sur_tile_inputs(const cpu_sur_block *b, int64_t s, int cnt, tm_dtype dt, sur_til
     }
     TM_SIMD
     for (int e = 0; e < CMS_TILE; e++) {
-        const float g = tm_fdiv(tm_fmul(raw[e], b->scale), b->divisor);
+        const float g = sur_g(b, raw[e]);
         t->g[e] = g;
         tm_cms_preprocess(g, &t->x[0][e], &t->x[1][e]);
         tm_cms_preprocess(m[e], &t->x[2][e], &t->x[3][e]);
@@ -116,8 +121,8 @@ sur_forward_derivs(const tm_cms_direct_net *net, sur_tile *t, int cnt)
 
 /* oo[lane] += o^2 and tt[lane] += (o - prev)^2 over the tile (0 in the padding). */
 CPU_INLINE void
-sur_tile_loss_sums_at(const sur_tile *t, double (*restrict oo)[CPU_ACC],
-                      double (*restrict tt)[CPU_ACC])
+sur_tile_loss_sums(const sur_tile *t, double (*restrict oo)[CPU_ACC],
+                   double (*restrict tt)[CPU_ACC])
 {
     for (int e = 0; e < CMS_TILE; e += CPU_ACC) {
 #pragma GCC unroll 8
@@ -130,12 +135,6 @@ sur_tile_loss_sums_at(const sur_tile *t, double (*restrict oo)[CPU_ACC],
     }
 }
 
-CPU_INLINE void
-sur_tile_loss_sums(const sur_tile *t, double (*restrict sums)[CPU_ACC])
-{
-    sur_tile_loss_sums_at(t, sums, sums + 1);
-}
-
 /* sum g^2 over the block, g as sur_tile_inputs forms it. */
 CPU_INLINE void
 sur_gsq(const cpu_sur_block *b, tm_dtype dt)
@@ -145,13 +144,12 @@ sur_gsq(const cpu_sur_block *b, tm_dtype dt)
     for (int64_t i = 0; i < full; i += CPU_ACC) {
 #pragma GCC unroll 8
         for (int j = 0; j < CPU_ACC; j++) {
-            const double g = tm_fdiv(tm_fmul(load_elem(b->target, i + j, dt), b->scale),
-                                     b->divisor);
+            const double g = sur_g(b, load_elem(b->target, i + j, dt));
             acc[j] += g * g;
         }
     }
     for (int64_t i = full; i < b->n; i++) {
-        const double g = tm_fdiv(tm_fmul(load_elem(b->target, i, dt), b->scale), b->divisor);
+        const double g = sur_g(b, load_elem(b->target, i, dt));
         acc[i % CPU_ACC] += g * g;
     }
     b->parts[CPU_SUR_GG] = cms_join(acc);
@@ -174,11 +172,11 @@ sur_norms(const cpu_sur_block *b, tm_dtype dt)
                 acc[CPU_SUR_OG][j] += (double)t.out[e + j] * (double)t.g[e + j];
             }
         }
-        sur_tile_loss_sums_at(&t, acc + CPU_SUR_OO, acc + CPU_SUR_TT);
+        sur_tile_loss_sums(&t, acc + CPU_SUR_OO, acc + CPU_SUR_TT);
     }
     b->parts[CPU_SUR_OO] = cms_join(acc[CPU_SUR_OO]);
     b->parts[CPU_SUR_OG] = cms_join(acc[CPU_SUR_OG]);
-    b->parts[CPU_SUR_TT] = cms_join(acc[CPU_SUR_TT]); /* g^2: sur_gsq's */
+    b->parts[CPU_SUR_TT] = cms_join(acc[CPU_SUR_TT]); /* parts[CPU_SUR_GG] stays sur_gsq's */
 }
 
 /* acc[j * cols + k][lane] += d[j][e] x[k][e] over the tile (e % CPU_ACC = lane), for rows j in
@@ -340,7 +338,7 @@ sur_grads(const cpu_sur_block *b, tm_dtype dt)
     sur_tile t;
     float d[2][SUR_MH][CMS_TILE];
     float dout[1][CMS_TILE];
-    float acc[SUR_MAX_GRAD][CPU_ACC];
+    float acc[CPU_SUR_MAX_GRAD_ENTRIES][CPU_ACC];
     double sums[2][CPU_ACC] = {{0.0}}; /* o^2, (o - prev)^2: the loss of a tensor whose norms
                                           pass was skipped */
     for (int64_t q = 0; q < entries; q++) {
@@ -353,7 +351,7 @@ sur_grads(const cpu_sur_block *b, tm_dtype dt)
         sur_tile_inputs(b, s, cnt, dt, &t);
         sur_forward_derivs(net, &t, cnt);
         sur_tile_dout(b, s, cnt, &t, dout);
-        sur_tile_loss_sums(&t, sums);
+        sur_tile_loss_sums(&t, sums, sums + 1);
         /* output layer: dW_out += dout a_{L-1}, db_out += dout; d = w_out dout * SiLU' */
         sur_outer_last(acc + off_w_out, (const float (*)[CMS_TILE])dout,
                        (const float (*)[CMS_TILE])t.act[layers - 1]);
@@ -383,8 +381,11 @@ sur_grads(const cpu_sur_block *b, tm_dtype dt)
     b->parts[CPU_SUR_TT] = cms_join(sums[1]);
     double *grad = b->parts + CPU_SUR_NORM_PARTS;
     for (int64_t q = 0; q < entries; q++) {
-        grad[q] = ((acc[q][0] + (double)acc[q][1]) + (acc[q][2] + (double)acc[q][3])) +
-                  ((acc[q][4] + (double)acc[q][5]) + (acc[q][6] + (double)acc[q][7]));
+        double lanes[CPU_ACC];
+        for (int j = 0; j < CPU_ACC; j++) {
+            lanes[j] = acc[q][j];
+        }
+        grad[q] = cms_join(lanes);
     }
 }
 

@@ -93,11 +93,16 @@ enum { CPU_SUR_OO, CPU_SUR_OG, CPU_SUR_GG, CPU_SUR_TT, CPU_SUR_NORM_PARTS };
 
 /* Entries of the surrogate's gradient in the padded network's layout (module order: W_in
  * [20][4], b_in [20], (W [20][20], b [20]) x (L - 1), W_out [20], b_out). */
+#define CPU_SUR_GRAD_ENTRIES(L)                                                                    \
+    (TM_CMS_DIRECT_MAX_HIDDEN * (TM_CMS_DIRECT_IN + 1) +                                           \
+     (L - 1) * TM_CMS_DIRECT_MAX_HIDDEN * (TM_CMS_DIRECT_MAX_HIDDEN + 1) +                         \
+     TM_CMS_DIRECT_MAX_HIDDEN + 1)
+#define CPU_SUR_MAX_GRAD_ENTRIES CPU_SUR_GRAD_ENTRIES(TM_CMS_MAX_LAYERS)
+
 static inline int64_t
 cpu_sur_grad_entries(int32_t layers)
 {
-    const int64_t h = TM_CMS_DIRECT_MAX_HIDDEN;
-    return h * TM_CMS_DIRECT_IN + h + (int64_t)(layers - 1) * (h * h + h) + h + 1;
+    return CPU_SUR_GRAD_ENTRIES((int64_t)layers);
 }
 
 /* The CMS passes over one block (cpu_cms.c and cpu_cms_surrogate.c have the pass structure). */
@@ -183,6 +188,22 @@ cpu_elem_ptr(const tm_tensor *t, int64_t offset)
 {
     size_t size = t->dtype == TM_FLOAT32 ? 4 : 2;
     return (char *)t->data + (size_t)offset * size;
+}
+
+/* out[q] = sum over nb blocks of part q, block b's parts at first[b * stride], in block order:
+ * how every per-block partial becomes a tensor's (or a call's) sum, independent of the threads
+ * that wrote the blocks. */
+static inline void
+cpu_sum_blocks(const double *first, int64_t stride, int64_t nb, int64_t count, double *out)
+{
+    for (int64_t q = 0; q < count; q++) {
+        out[q] = 0.0;
+    }
+    for (int64_t b = 0; b < nb; b++) {
+        for (int64_t q = 0; q < count; q++) {
+            out[q] += first[b * stride + q];
+        }
+    }
 }
 
 /* Blocks of all tensors of lead, in order. */
