@@ -168,9 +168,7 @@ def init_output_on_sign(mlp):
     1 read only sign_g, with opposite signs, and every later hidden layer carries them on; since
     SiLU(x) - SiLU(-x) = x, the output layer's weights (0.1, -0.1) on them give 0.1 * sign_g."""
     linears = [m for m in mlp.modules() if isinstance(m, torch.nn.Linear)]
-    first, hidden, out = linears[0], linears[1:-1], linears[-1]
-    if first.out_features < 2:
-        raise ValueError("fix_reference_bugs needs a momentum MLP of width >= 2")
+    first, hidden, out = linears[0], linears[1:-1], linears[-1]  # width >= 2 (constructor)
     first.weight[0:2].zero_()
     first.weight[0, 1], first.weight[1, 1] = 1.0, -1.0  # feature 1 is sign_g
     first.bias[0:2].zero_()

@@ -46,6 +46,9 @@ class ControlStepMixin:
             kw = dict(group_param=norms[g:2 * g] if update else None, group_of=group_of,
                       num_groups=g, scratch=norms_scratch(self.device, grads, params))
             _C.norms(grads, params, norms[0:g], norms[2 * g:], **kw, **exec_kwargs(self.device))
+        extra = self._ungrouped_grads()
+        if extra:
+            self._add_to_total_norm(extra)
         if update:
             missing = [] if complete else [
                 (gi, p) for gi, grp in enumerate(self.base_optimizer.param_groups)
@@ -53,6 +56,30 @@ class ControlStepMixin:
             if missing or not grads:
                 extra = self._param_norms_without_grads(missing)
                 norms[g:2 * g] = torch.sqrt(norms[g:2 * g] ** 2 * bool(grads) + extra ** 2)
+
+    def _ungrouped_grads(self):
+        """Gradients of model parameters outside the groups (frozen when the optimizer was built,
+        unfrozen since): the reference's clip norm covers all of model.parameters() (spec 8)."""
+        return [(name, p.grad) for name, p in self._ungrouped if p.grad is not None]
+
+    def _add_to_total_norm(self, extra):
+        """total grad norm <- hypot(total, ||extra||): a NaN there skips the step, as in the
+        reference. These gradients are checked here, so a C-core error names the grouped ones."""
+        for name, grad in extra:
+            if (grad.dtype not in (torch.float32, torch.bfloat16, torch.float16)
+                    or grad.layout != torch.strided or not grad.is_contiguous()
+                    or grad.device != self.device):
+                raise BufferError(f"parameter {name!r} (outside the optimizer's groups, its "
+                                  "gradient counts in the clip norm): the gradient must be a "
+                                  "contiguous float32/bfloat16/float16 tensor on "
+                                  f"{self.device}, got {grad.dtype} {grad.layout} on "
+                                  f"{grad.device}, contiguous={grad.is_contiguous()}")
+        grads = [grad for _, grad in extra]
+        out = torch.empty(2, dtype=torch.float32, device=self.device)
+        _C.norms(grads, None, out[0:1], out[1:], group_of=[0] * len(grads), num_groups=1,
+                 scratch=norms_scratch(self.device, grads), **exec_kwargs(self.device))
+        total = self._norms[2 * N_GROUPS:]
+        total.copy_(torch.hypot(total, out[1:]))
 
     def _param_norms_without_grads(self, missing):
         g = N_GROUPS

@@ -61,6 +61,8 @@ class GraphState:
             return False
         if opt._cms is not None and not opt.use_preprocessing:
             return False  # the legacy network's context holds t itself: eager
+        if opt._ungrouped_grads():
+            return False  # gradients outside the groups, at addresses of their own: eager
         params = [p for g in opt.base_optimizer.param_groups for p in g["params"]]
         if not self._bind_grads(params):
             return False

@@ -36,6 +36,8 @@ CUDA-graph mode.
 """
 
 import math
+import numbers
+import re
 import warnings
 
 import torch
@@ -68,9 +70,22 @@ from .optim import AdamW
 
 
 def _check_int(name, value, low):
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+    """An int >= low; numpy and other integral types are accepted (and converted), bools not."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
         raise ValueError(f"{name} = {value!r}: must be an int >= {low}")
-    return value
+    return int(value)
+
+
+def _check_frequencies(cms_frequencies):
+    """A non-empty sequence of ints >= 1 (a list, tuple or numpy array), as a list of ints."""
+    try:
+        freqs = list(cms_frequencies)
+    except TypeError:
+        freqs = []
+    if not freqs or not all(isinstance(f, numbers.Integral) and not isinstance(f, bool)
+                            and f >= 1 for f in freqs):
+        raise ValueError(f"cms_frequencies = {cms_frequencies!r}: a non-empty list of ints >= 1")
+    return [int(f) for f in freqs]
 
 
 def _check_float(name, value, low=0.0):
@@ -78,6 +93,34 @@ def _check_float(name, value, low=0.0):
     if not (math.isfinite(value) and value >= low):
         raise ValueError(f"{name} = {value}: must be finite and >= {low}")
     return value
+
+
+_C_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_COMPILED_PREFIX = "_orig_mod."  # torch.compile's wrapper names the wrapped module so
+
+
+def _uncompiled(module_state):
+    """A module state_dict with the keys of the plain module, saved with or without
+    use_compile=True (the reference's checkpoints of either kind load)."""
+    n = len(_COMPILED_PREFIX)
+    return type(module_state)((k[n:] if k.startswith(_COMPILED_PREFIX) else k, v)
+                              for k, v in module_state.items())
+
+
+def _check_grouped(groups, group_names, device):
+    """What the C core would refuse at the first step(), refused here with the parameter's name
+    (the reference accepts these and trains them with torch ops)."""
+    for group, names in zip(groups, group_names):
+        for p, name in zip(group["params"], names):
+            if p.dtype not in _C_DTYPES:
+                raise BufferError(f"parameter {name!r}: dtype {p.dtype} is not supported (float32, "
+                                  "bfloat16, float16; e.g. model.float())")
+            if p.device != device:
+                raise ValueError(f"parameter {name!r}: on {p.device}, the first parameter on "
+                                 f"{device}: the optimizer needs one device")
+            if p.layout != torch.strided or not p.is_contiguous():
+                raise BufferError(f"parameter {name!r}: not contiguous (e.g. channels_last: "
+                                  "model.to(memory_format=torch.contiguous_format))")
 
 
 class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin):
@@ -96,18 +139,19 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin):
             raise ValueError(f"mode must be 'simple' or 'explicit', got {mode!r}")
         if cms_frequencies is None:
             cms_frequencies = [1] if low_memory else [1, 10, 100]
-        if not cms_frequencies or not all(isinstance(f, int) and f >= 1 for f in cms_frequencies):
-            raise ValueError(f"cms_frequencies = {cms_frequencies!r}: a non-empty list of ints >= 1")
         self.model = model
         self.base_lr = _check_float("base_lr", base_lr)
         self.meta_lr = _check_float("meta_lr", meta_lr)
         self.k_unroll = _check_int("k_unroll", k_unroll, 1)
-        self.cms_frequencies = list(cms_frequencies)
+        self.cms_frequencies = _check_frequencies(cms_frequencies)
         # Off: the reference's learning behaviour, bugs included, so results reproduce. On: B1
         # (Phase 1 trains on the current gradient), B4 (DirectUpdateMLP starts at 0.1 * sign_g),
         # B6 (controller inputs log1p(norm) / 10), B7 (level l fires every cms_frequencies[l]).
         self.fix_reference_bugs = bool(fix_reference_bugs)
-        self.momentum_hidden_dim = _check_int("momentum_hidden_dim", momentum_hidden_dim, 1)
+        # DirectUpdateMLP's initialisation writes its output weight [0, 1] (B4): width >= 2 (the
+        # reference fails there with an IndexError)
+        self.momentum_hidden_dim = _check_int("momentum_hidden_dim", momentum_hidden_dim,
+                                              2 if use_preprocessing else 1)
         self.momentum_num_layers = _check_int("momentum_num_layers", momentum_num_layers, 1)
         self.controller_hidden_dim = _check_int("controller_hidden_dim", controller_hidden_dim, 1)
         self.controller_num_layers = _check_int("controller_num_layers", controller_num_layers, 1)
@@ -119,7 +163,8 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin):
         self.low_memory = bool(low_memory)
         self.use_cms_updates = bool(use_cms_updates)
         self.use_preprocessing = bool(use_preprocessing)
-        self.use_compile = bool(use_compile)  # accepted; the controller forward runs in C anyway
+        # accepted (the controller runs in C); checkpoints keep the compiled modules' key prefix
+        self.use_compile = bool(use_compile)
         self.controller_update_freq = _check_int("controller_update_freq",
                                                  controller_update_freq, 1)
         self.cuda_graph_warmup_steps = _check_int("cuda_graph_warmup_steps",
@@ -132,16 +177,22 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin):
 
         # spec 2.1 objects, in the reference's order (CMS state only in CMS mode: B11 fixed)
         groups, group_names = group_moe_params(model)
+        _check_grouped(groups, group_names, self.device)
+        self._param_names = {p: name for group, names in zip(groups, group_names)
+                             for p, name in zip(group["params"], names)}
+        # model parameters outside the groups: their gradients count in the clip norm (spec 8)
+        self._ungrouped = [(name, p) for name, p in model.named_parameters()
+                           if p not in self._param_names]
         self.base_optimizer = AdamW(groups, lr=self.base_lr, weight_decay=self.weight_decay)
         if self.use_preprocessing:
-            mlp = DirectUpdateMLP(hidden_dim=min(momentum_hidden_dim, DIRECT_MLP_MAX_HIDDEN),
-                                  num_layers=momentum_num_layers)
+            mlp = DirectUpdateMLP(hidden_dim=min(self.momentum_hidden_dim, DIRECT_MLP_MAX_HIDDEN),
+                                  num_layers=self.momentum_num_layers)
         else:
-            mlp = L2RegressionMomentum(hidden_dim=momentum_hidden_dim,
-                                       num_layers=momentum_num_layers)
+            mlp = L2RegressionMomentum(hidden_dim=self.momentum_hidden_dim,
+                                       num_layers=self.momentum_num_layers)
         self.momentum_mlp = mlp.to(self.device)
-        self.controller = NestedController(hidden_dim=controller_hidden_dim,
-                                           num_layers=controller_num_layers,
+        self.controller = NestedController(hidden_dim=self.controller_hidden_dim,
+                                           num_layers=self.controller_num_layers,
                                            n_groups=N_GROUPS).to(self.device)
         self.meta_optimizer = torch.optim.Adam(
             list(self.momentum_mlp.parameters()) + list(self.controller.parameters()), lr=meta_lr)
@@ -163,9 +214,9 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin):
         self.controller_grad_norm = 0.0
         self._stored_loss = None
         self._warned_no_loss = False
-        self.meta_trainer = SimplifiedMetaTrainer(window_size=meta_update_freq,
+        self.meta_trainer = SimplifiedMetaTrainer(window_size=self.meta_update_freq,
                                                   improvement_threshold=IMPROVEMENT_THRESHOLD)
-        self.unrolled_trainer = UnrolledMetaTrainer(k_steps=k_unroll,
+        self.unrolled_trainer = UnrolledMetaTrainer(k_steps=self.k_unroll,
                                                     use_checkpointing=use_gradient_checkpointing)
         n_layers = _model_n_layers(model)
         depths = [sum(infer_param_depth(n, n_layers) for n in names) / len(names) if names
@@ -222,9 +273,9 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin):
     def step(self, loss_value=None):
         """One step. loss_value: a float or a 0-d tensor (no .item() needed: a non-finite tensor
         loss is caught on the device). Returns the reference's dict."""
+        loss = self._take_loss(loss_value)
         self.global_step += 1
         t = self.global_step
-        loss = self._take_loss(loss_value)
         if not isinstance(loss, torch.Tensor) and not math.isfinite(loss):
             warnings.warn(f"DeepNestedOptimizer step {t}: non-finite loss ({loss}), skipping")
             self.base_optimizer.zero_grad(set_to_none=self._graph is None
@@ -237,9 +288,14 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin):
             else:
                 self._loss.fill_(loss)
             update = t % self.controller_update_freq == 0 or t == 1
-            with prof.step_range(prof.STEP):
-                if self._graph is None or not self._graph.step(t, update):
-                    self._eager_step(t, update, isinstance(loss, torch.Tensor))
+            try:
+                with prof.step_range(prof.STEP):
+                    if self._graph is None or not self._graph.step(t, update):
+                        self._eager_step(t, update, isinstance(loss, torch.Tensor))
+            except (BufferError, ValueError, TypeError) as err:
+                # The C core refused a tensor before writing anything: the step did not happen.
+                self.global_step = t - 1
+                raise self._named_error(err) from None
         if self.mode == "simple" and t % self.meta_update_freq == 0:
             # Host logic every meta_update_freq steps; a step the guard skipped gets no meta update,
             # as in the reference, whose skip returns before it.
@@ -252,6 +308,21 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin):
         if self._last_surrogate_loss is not None:
             result["surrogate_loss"] = self._last_surrogate_loss  # stale after its step, as ref
         return result
+
+    def _named_error(self, err):
+        """err with the parameter behind the C core's "grads[i]" / "params[i]" named (i counts
+        the grouped tensors with a gradient, the lists the C calls get); sparse gradients get
+        their own message."""
+        _, params, group_of, _ = self._gather(with_params=True)
+        for p in params:
+            if p.grad.layout != torch.strided:
+                return RuntimeError(f"parameter {self._param_names[p]!r}: {p.grad.layout} "
+                                    "gradients are not supported (e.g. nn.Embedding(sparse=True))")
+        match = re.match(r"(grads|params)\[(\d+)\]", str(err))
+        if match is None or int(match.group(2)) >= len(params):
+            return err
+        p = params[int(match.group(2))]
+        return type(err)(f"{err} (parameter {self._param_names[p]!r})")
 
     def _take_loss(self, loss_value):
         loss = loss_value if loss_value is not None else self._stored_loss
@@ -344,8 +415,8 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin):
     def state_dict(self):
         sd = {
             "base_optimizer": self.base_optimizer.state_dict(),
-            "momentum_mlp": self.momentum_mlp.state_dict(),
-            "controller": self.controller.state_dict(),
+            "momentum_mlp": self._module_state(self.momentum_mlp),
+            "controller": self._module_state(self.controller),
             "meta_optimizer": self.meta_optimizer.state_dict(),
             "global_step": self.global_step,
             "lr_multipliers": self._lr_multipliers.clone(),
@@ -356,14 +427,22 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin):
             sd["mlp_optimizer"] = self.mlp_optimizer.state_dict()
         return sd
 
+    def _module_state(self, module):
+        """The module's state_dict, keyed as the reference's: with use_compile=True its modules
+        are torch.compile wrappers, whose keys carry the _orig_mod. prefix."""
+        sd = module.state_dict()
+        if not self.use_compile:
+            return sd
+        return type(sd)((_COMPILED_PREFIX + k, v) for k, v in sd.items())
+
     def load_state_dict(self, state_dict):
         """Loads ours or the reference's layout. Values are copied into the existing device
         buffers (B10 fixed: nothing lands on the CPU, a captured graph stays valid for the
         buffers, and is re-captured for the new AdamW state). cms_state is ignored in AdamW
         mode (the reference's holds only zeros there)."""
         self.base_optimizer.load_state_dict(state_dict["base_optimizer"])
-        self.momentum_mlp.load_state_dict(state_dict["momentum_mlp"])
-        self.controller.load_state_dict(state_dict["controller"])
+        self.momentum_mlp.load_state_dict(_uncompiled(state_dict["momentum_mlp"]))
+        self.controller.load_state_dict(_uncompiled(state_dict["controller"]))
         self.meta_optimizer.load_state_dict(state_dict["meta_optimizer"])
         if self.mlp_optimizer is not None and "mlp_optimizer" in state_dict:
             self.mlp_optimizer.load_state_dict(state_dict["mlp_optimizer"])

@@ -1,0 +1,257 @@
+"""DeepNestedOptimizer on the inputs a swap meets beyond the plain case: a parameter frozen when
+the optimizer was built and unfrozen later (its gradient counts in the reference's clip norm,
+spec 8), checkpoints of a reference built with use_compile=True, numpy integers as
+hyperparameters, and what the C core cannot take (float64 or non-contiguous parameters, sparse or
+non-contiguous gradients): refused with the parameter's name, before anything changes.
+"""
+
+import copy
+import io
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import titanmac_c
+from titanmac_c._reference_dno import ReferenceDeepNestedOptimizer
+from conftest import DEVICES, reference_and_ours
+from dno_models import make_mlp_10_32_5
+
+MODES = [dict(), dict(use_cms_updates=True), dict(use_cms_updates=True, use_preprocessing=False)]
+MODE_IDS = ["adamw", "cms-direct", "cms-legacy"]
+
+
+class PartlyFrozen(torch.nn.Module):
+    """Two linear layers, the second frozen at construction."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.frozen = torch.nn.Linear(8, 8)
+        self.frozen.requires_grad_(False)
+
+
+def _grads(model, step, frozen_scale=10.0):
+    """Pseudo-random gradients for every parameter, the frozen layer's large: its norm dominates
+    the clip norm, so leaving it out changes every update."""
+    gen = torch.Generator().manual_seed(500 + step)
+    out = {}
+    for name, p in model.named_parameters():
+        g = torch.randn(p.shape, generator=gen)
+        out[name] = g * frozen_scale if name.startswith("frozen") else g
+    return out
+
+
+def _set(model, grads):
+    for name, p in model.named_parameters():
+        p.grad = grads[name].to(p.device).clone()
+
+
+def _roundtrip(sd):
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+def _snapshot(model, opt):
+    sd = opt.state_dict()
+    tensors = [p.detach().clone() for p in model.parameters()]
+    return tensors, _roundtrip(sd)
+
+
+def _assert_same(a, b, path="state"):
+    """Nested equality of state_dict-like structures, tensors bit for bit."""
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), path
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), path
+        for k in a:
+            _assert_same(a[k], b[k], f"{path}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, path
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kw", MODES, ids=MODE_IDS)
+def test_gradient_of_a_parameter_unfrozen_later_counts_in_the_clip_norm(device, kw):
+    """The reference clips over model.parameters(): a parameter outside the groups that has a
+    gradient counts in the total norm (and is never updated)."""
+    torch.manual_seed(0)
+    (model_r, ref), (model_o, ours) = reference_and_ours(PartlyFrozen().to(device), **kw)
+    for m in (model_r, model_o):
+        m.frozen.requires_grad_(True)
+    frozen_before = model_o.frozen.weight.detach().clone()
+    for step in range(1, 11):
+        g = _grads(model_r, step)
+        _set(model_r, g)
+        _set(model_o, g)
+        ref.step(0.5)
+        ours.step(0.5)
+        for (name, pr), po in zip(model_r.named_parameters(), model_o.parameters()):
+            torch.testing.assert_close(po.detach(), pr.detach(), rtol=2e-5, atol=1e-7,
+                                       msg=lambda m: f"step {step} {name}: {m}")
+    assert torch.equal(model_o.frozen.weight.detach(), frozen_before)
+    # the clip mattered: without the frozen layer's gradient the total norm is 10x smaller
+    assert float(ours._norms[-1]) > 10 * float(ours._norms[0])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kw", MODES, ids=MODE_IDS)
+def test_nan_in_an_ungrouped_gradient_skips_the_step(device, kw):
+    (model_r, ref), (model_o, ours) = reference_and_ours(PartlyFrozen().to(device), **kw)
+    for m in (model_r, model_o):
+        m.frozen.requires_grad_(True)
+    g = _grads(model_r, 1)
+    g["frozen.bias"][3] = math.nan
+    _set(model_r, g)
+    _set(model_o, g)
+    before = [p.detach().clone() for p in model_o.parameters()]
+    res = ref.step(0.5)
+    ours.step(0.5)
+    assert res["skipped"] and res["reason"] == "nan_gradient"
+    assert float(ours.skipped) == 1.0
+    for p, b in zip(model_o.parameters(), before):
+        assert torch.equal(p.detach(), b)
+
+
+def test_ungrouped_gradient_the_c_core_cannot_take_is_named():
+    model = PartlyFrozen()
+    opt = titanmac_c.DeepNestedOptimizer(model)
+    model.frozen.requires_grad_(True)
+    _set(model, _grads(model, 1))
+    model.frozen.weight.grad = model.frozen.weight.grad.t().contiguous().t()  # column-major
+    with pytest.raises(BufferError, match=r"'frozen.weight' \(outside the optimizer's groups"):
+        opt.step(0.5)
+    assert opt.global_step == 0
+
+
+@pytest.mark.parametrize("use_preprocessing", [True, False])
+def test_checkpoints_of_a_compiled_reference_load_both_ways(use_preprocessing):
+    """With use_compile=True the reference's modules are torch.compile wrappers, whose
+    state_dict keys carry '_orig_mod.'; ours keeps that layout with use_compile=True and loads
+    either layout."""
+    kw = dict(use_cms_updates=True, use_preprocessing=use_preprocessing, use_compile=True)
+    ref = ReferenceDeepNestedOptimizer(make_mlp_10_32_5(seed=0), **kw)
+    ours = titanmac_c.DeepNestedOptimizer(make_mlp_10_32_5(seed=0), **kw)
+    saved = _roundtrip(ref.state_dict())
+    for module in ("momentum_mlp", "controller"):
+        assert list(ours.state_dict()[module]) == list(saved[module])
+        assert all(k.startswith("_orig_mod.") for k in saved[module])
+    ours.load_state_dict(saved)
+    for module in ("momentum_mlp", "controller"):
+        for k, v in getattr(ours, module).state_dict().items():
+            assert torch.equal(v, saved[module]["_orig_mod." + k]), (module, k)
+    # ours back into a compiled reference, and a plain optimizer of ours loads it too
+    ref2 = ReferenceDeepNestedOptimizer(make_mlp_10_32_5(seed=1), **kw)
+    ref2.load_state_dict(_roundtrip(ours.state_dict()))
+    plain = titanmac_c.DeepNestedOptimizer(make_mlp_10_32_5(seed=1),
+                                           **dict(kw, use_compile=False))
+    plain.load_state_dict(_roundtrip(ours.state_dict()))
+    for module in ("momentum_mlp", "controller"):
+        for k, v in getattr(plain, module).state_dict().items():
+            assert torch.equal(v, saved[module]["_orig_mod." + k]), (module, k)
+            assert torch.equal(v, getattr(ref2, module).state_dict()["_orig_mod." + k])
+
+
+def test_numpy_integer_hyperparameters_act_as_ints():
+    """numpy integers (e.g. from a config array) are ints to the reference; the same here, with
+    the same results as Python ints."""
+    as_ints = dict(cms_frequencies=[1, 5, 50], momentum_hidden_dim=16, meta_update_freq=7,
+                   k_unroll=3, controller_hidden_dim=8, momentum_num_layers=2)
+    as_numpy = dict(as_ints, cms_frequencies=np.array([1, 5, 50]),
+                    momentum_hidden_dim=np.int64(16), meta_update_freq=np.int32(7),
+                    k_unroll=np.int64(3), controller_hidden_dim=np.int16(8),
+                    momentum_num_layers=np.uint8(2))
+    model_a = make_mlp_10_32_5(seed=0)
+    model_b = copy.deepcopy(model_a)
+    a = titanmac_c.DeepNestedOptimizer(model_a, use_cms_updates=True, **as_ints)
+    b = titanmac_c.DeepNestedOptimizer(model_b, use_cms_updates=True, **as_numpy)
+    assert b.cms_frequencies == [1, 5, 50] and type(b.cms_frequencies[0]) is int
+    assert type(b.momentum_hidden_dim) is int and b.meta_trainer.window_size == 7
+    b.controller.load_state_dict(a.controller.state_dict())
+    b.momentum_mlp.load_state_dict(a.momentum_mlp.state_dict())
+    for step in range(1, 16):
+        g = _grads(model_a, step)
+        _set(model_a, g)
+        _set(model_b, g)
+        a.step(0.5)
+        b.step(0.5)
+    for pa, pb in zip(model_a.parameters(), model_b.parameters()):
+        assert torch.equal(pa, pb)
+
+
+@pytest.mark.parametrize("kw, err, match", [
+    (dict(cms_frequencies=np.array([[1, 10]])), ValueError, "cms_frequencies"),
+    (dict(cms_frequencies=[1, True]), ValueError, "cms_frequencies"),
+    (dict(cms_frequencies=5), ValueError, "cms_frequencies"),
+    (dict(momentum_hidden_dim=np.float32(16)), ValueError, "momentum_hidden_dim"),
+    # DirectUpdateMLP's initialisation needs width 2 (the reference: IndexError); legacy: 1 is ok
+    (dict(momentum_hidden_dim=1), ValueError, "momentum_hidden_dim = 1: must be an int >= 2"),
+])
+def test_constructor_refuses(kw, err, match):
+    with pytest.raises(err, match=match):
+        titanmac_c.DeepNestedOptimizer(make_mlp_10_32_5(seed=0), use_cms_updates=True, **kw)
+
+
+def test_legacy_network_of_width_one_is_accepted():
+    model = make_mlp_10_32_5(seed=0)
+    opt = titanmac_c.DeepNestedOptimizer(model, use_cms_updates=True, use_preprocessing=False,
+                                         momentum_hidden_dim=1)
+    assert opt.momentum_hidden_dim == 1
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: make_mlp_10_32_5(seed=0).double(),
+     r"parameter '0.weight': dtype torch.float64 is not supported"),
+    (lambda: torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3)).to(memory_format=torch.channels_last),
+     r"parameter '0.weight': not contiguous"),
+])
+def test_parameters_the_c_core_cannot_take_are_refused_at_construction(make, match):
+    with pytest.raises(BufferError, match=match):
+        titanmac_c.DeepNestedOptimizer(make(), use_cms_updates=True)
+
+
+@pytest.mark.parametrize("kw", MODES, ids=MODE_IDS)
+@pytest.mark.parametrize("bad, err, match", [
+    ("strided", BufferError, r"grads\[1\]: not contiguous .* \(parameter '2.weight'\)"),
+    ("sparse", RuntimeError, r"parameter '2.weight': torch.sparse_coo gradients are not"),
+])
+def test_a_refused_gradient_changes_nothing_and_names_its_parameter(kw, bad, err, match):
+    """A gradient the C core cannot take raises before anything is written: the parameters, the
+    state and global_step are as before, and with the gradient fixed the run goes on exactly as
+    one that never saw it."""
+    model = make_mlp_10_32_5(seed=0)
+    twin = copy.deepcopy(model)
+    opt = titanmac_c.DeepNestedOptimizer(model, **kw)
+    clean = titanmac_c.DeepNestedOptimizer(twin, **kw)
+    clean.load_state_dict(opt.state_dict())
+    for step in range(1, 7):  # through a Phase 1 step (5) in CMS mode
+        g = _grads(model, step)
+        _set(model, g)
+        _set(twin, g)
+        opt.step(0.5)
+        clean.step(0.5)
+    params_before, state_before = _snapshot(model, opt)
+    g = _grads(model, 7)
+    _set(model, g)
+    good = model[2].weight.grad
+    model[2].weight.grad = good.t().contiguous().t() if bad == "strided" else good.to_sparse()
+    with pytest.raises(err, match=match):
+        opt.step(0.5)
+    params_after, state_after = _snapshot(model, opt)
+    assert opt.global_step == 6
+    for a, b in zip(params_before, params_after):
+        assert torch.equal(a, b)
+    _assert_same(state_before, state_after)
+    model[2].weight.grad = good
+    _set(twin, g)
+    opt.step(0.5)
+    clean.step(0.5)
+    for pa, pb in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(pa, pb)
