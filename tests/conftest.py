@@ -104,3 +104,28 @@ def reference_and_ours(model, **kw):
     ours.controller.load_state_dict(ref.controller.state_dict())
     ours.momentum_mlp.load_state_dict(ref.momentum_mlp.state_dict())
     return (model, ref), (model_ours, ours)
+
+
+@torch.no_grad()
+def sync_cms_from_reference(ref, ours, model_ref, model_ours):
+    """Start ours (CMS mode) from the reference's state: parameters, CMS buffers, the momentum
+    MLP, its Adam state and its Phase 1 output history. The DirectUpdateMLP path amplifies
+    last-bit differences (tests/test_deep_nested_cms.py), so its parity tests resync every step
+    and check each step's computation."""
+    for pr, po in zip(model_ref.parameters(), model_ours.parameters()):
+        po.copy_(pr)
+        st = ours.state[po]
+        for level, lvl in enumerate(ref.state[pr].levels):
+            st["momentum"][level].copy_(lvl.momentum)
+            st["accumulated_grad"][level].copy_(lvl.accumulated_grad)
+            if level == 0:  # e_0 is the one EMA buffer kept (the meta proxy loss reads it)
+                st["ema_grad"][0].copy_(lvl.ema_grad)
+            st["step_count"][level] = float(lvl.step_count)
+    ours.momentum_mlp.load_state_dict(ref.momentum_mlp.state_dict())
+    if ref.mlp_optimizer is not None:
+        ours.mlp_optimizer.load_state_dict(copy.deepcopy(ref.mlp_optimizer.state_dict()))
+        # ours keys the history by the tensor's place in group order, the reference by id
+        ours._mlp_output_history = {ours._cms.index[po]: ref._mlp_output_history[id(pr)].clone()
+                                    for pr, po in zip(model_ref.parameters(),
+                                                      model_ours.parameters())
+                                    if id(pr) in ref._mlp_output_history}

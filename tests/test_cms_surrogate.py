@@ -3,7 +3,8 @@ the reference in float64: the gradient of mean_i compute_surrogate_loss(MLP(g_i,
 prev_i) over the DirectUpdateMLP's weights (spec deep_nested_optimizer.md 7.2, 7.4; the
 reference's preprocess_gradient, net and loss, evaluated in double), element by element, over
 several Phase 1 steps (each step's outputs are the next step's prev, and the MLP takes an Adam
-step between them); plus its argument checks.
+step between them); the temporal term's gradient on its own (the difference of two calls, with
+and without prev); plus its argument checks.
 
 Tolerance: every entry of a gradient tensor within GRAD_RTOL of that tensor's largest entry
 (measured <= 1.5e-7; torch's float32 autograd itself is up to 5e-5 off, its matmul summing
@@ -20,6 +21,7 @@ from titanmac_c._reference_dno import (DirectUpdateMLP, compute_surrogate_loss,
                                        preprocess_gradient)
 
 GRAD_RTOL = 1e-6
+TEMPORAL_RTOL = 1e-5
 SIZES = [1, 3, 300, 4097, (33, 65), 65537]
 
 
@@ -46,9 +48,10 @@ def _inputs(kind, gen, dtype=torch.float32):
     return targets, moms
 
 
-def _reference(mlp, targets, moms, prevs, scale, divisor):
-    """The reference's Phase 1 loss, its gradient and outputs, in float64: g0 is formed in
-    float32 as the reference forms it, then DirectUpdateMLP.forward's steps run in double."""
+def _reference(mlp, targets, moms, prevs, scale, divisor, grad_dtype=torch.float32):
+    """The reference's Phase 1 loss, its gradient (returned in grad_dtype) and outputs, in
+    float64: g0 is formed in float32 as the reference forms it, then DirectUpdateMLP.forward's
+    steps run in double."""
     net = copy.deepcopy(mlp.net).double()
     losses, outs = [], []
     for t, m, prev in zip(targets, moms, prevs):
@@ -62,8 +65,8 @@ def _reference(mlp, targets, moms, prevs, scale, divisor):
         losses.append(compute_surrogate_loss(out, g0, None if prev is None else prev.double()))
         outs.append(out.detach().float())
     torch.stack(losses).mean().backward()
-    return ([p.grad.float() for p in net.parameters()], torch.stack(losses).detach().float(),
-            outs)
+    return ([p.grad.to(grad_dtype) for p in net.parameters()],
+            torch.stack(losses).detach().float(), outs)
 
 
 def _ours(mlp, targets, moms, outputs, has_prev, scale, divisor, hidden, layers, **kw):
@@ -112,6 +115,48 @@ def test_gradient_matches_autograd_over_steps(hidden, layers, kind):
         prevs = o_ref
         for o, r in zip(outputs, o_ref):
             o.copy_(r)
+
+
+@pytest.mark.parametrize("hidden,layers", [(20, 2), (7, 1), (20, 3), (13, 2), (20, 8)])
+@pytest.mark.parametrize("offset", [0.01, 2.0])
+def test_temporal_term_gradient_in_isolation(hidden, layers, offset):
+    """The temporal term T = 0.1 mean((o - prev)^2) (spec 7.4) adds 0.2 (o - prev) / numel to
+    d loss / d o: in the test above it sits below the float32 rounding of the whole gradient (R
+    and M summed over 65,537 elements), where a 50% error in it passes. Only T depends on prev,
+    so the op's gradient with a prev on every other tensor minus the same call with none is T's
+    gradient alone; it must match the same difference of the float64 reference, relative to
+    that difference's size. Targets of about the outputs' norm keep R and M's gradients O(1);
+    prev = o - offset (o + max|o| u), u ~ U(0, 1): a prev a small step away (as in Phase 1) and
+    one far off (T's gradient a few % of the whole in every weight tensor).
+
+    Tolerance: TEMPORAL_RTOL of the difference's largest entry (measured <= 2e-6 of it where it
+    is a few % of the gradient: float32 rounding of T's own terms) plus GRAD_RTOL of the whole
+    gradient's largest entry (the rounding of the two calls, measured <= 2.3e-7 of it, which
+    dominates where T's gradient is 1e-7 of the whole); measured <= 0.16 of the tolerance. A 1%
+    error in T's coefficient exceeds it 6 to 250 times in the offset = 2 cases."""
+    gen = torch.Generator().manual_seed(hidden + layers)
+    mlp = _mlp(hidden, layers)
+    names = [n for n, _ in mlp.named_parameters()]
+    targets = [torch.randn(s, generator=gen) * 0.3 for s in SIZES]
+    moms = [torch.randn(s, generator=gen) * 1e-2 for s in SIZES]
+    none = [None] * len(SIZES)
+    ref_without, _, outs = _reference(mlp, targets, moms, none, None, 1.0,
+                                      grad_dtype=torch.float64)
+    prevs = [o - offset * (o + float(o.abs().max()) * torch.rand(o.shape, generator=gen))
+             for o in outs]
+    has_prev = [i % 2 == 0 for i in range(len(SIZES))]
+    prev_in = [p if h else None for p, h in zip(prevs, has_prev)]
+    ref_with, _, _ = _reference(mlp, targets, moms, prev_in, None, 1.0, grad_dtype=torch.float64)
+    ours_with, _ = _ours(mlp, targets, moms, [p.clone() for p in prevs], has_prev, None, 1.0,
+                         hidden, layers)
+    ours_without, _ = _ours(mlp, targets, moms, [p.clone() for p in prevs], [False] * len(SIZES),
+                            None, 1.0, hidden, layers)
+    for name, a1, a0, b1, b0 in zip(names, ours_with, ours_without, ref_with, ref_without):
+        diff = b1 - b0
+        assert diff.abs().max() > 0, f"{name}: T has no gradient here, the check is void"
+        tol = TEMPORAL_RTOL * float(diff.abs().max()) + GRAD_RTOL * float(b1.abs().max())
+        torch.testing.assert_close(a1.double() - a0.double(), diff, rtol=0, atol=tol,
+                                   msg=lambda m: f"offset {offset} {name}: {m}")
 
 
 def test_bf16_targets_and_tiny_norms():

@@ -17,7 +17,8 @@ import torch
 
 import titanmac_c
 from titanmac_c._reference_dno import ReferenceDeepNestedOptimizer
-from conftest import DEVICES, STATE_NMSE, assert_nmse_close, reference_and_ours
+from conftest import (DEVICES, STATE_NMSE, assert_nmse_close, reference_and_ours,
+                      sync_cms_from_reference)
 from dno_models import loss_fn, make_mlp_10_32_5, synthetic_batches
 
 PARAM_TOL = dict(rtol=1e-4, atol=1e-6)
@@ -28,7 +29,7 @@ NAN_GRAD_STEP = 37
 # weight moved by 1 ulp diverges far beyond rounding within 100 steps
 # (test_reference_itself_is_this_sensitive). So: the legacy network runs free for 250 steps; the
 # direct network runs free for 50 steps, and over 250 steps each step starts from the reference's
-# state (parameters, CMS buffers, MLP and its optimizer: _sync_from_reference), which checks
+# state (parameters, CMS buffers, MLP and its optimizer: sync_cms_from_reference), which checks
 # every step's computation on 250 evolving states, level-2 firings and the NaN step included.
 # There each step's update is compared element by element (within 1e-4 of itself plus 2 ulps of
 # the parameter: p - lr u rounds to p's ulp), and so are the CMS buffers in every run that does
@@ -65,29 +66,6 @@ def _one_step(model, opt, batch, step, inject=True):
     if inject and step == NAN_GRAD_STEP:
         next(model.parameters()).grad.view(-1)[3] = math.nan
     return opt.step(loss.item())
-
-
-@torch.no_grad()
-def _sync_from_reference(ref, ours, model_ref, model_ours):
-    """Start ours from the reference's state: parameters, CMS buffers, the MLP, its Adam state
-    and its output history."""
-    for pr, po in zip(model_ref.parameters(), model_ours.parameters()):
-        po.copy_(pr)
-        st = ours.state[po]
-        for level, lvl in enumerate(ref.state[pr].levels):
-            st["momentum"][level].copy_(lvl.momentum)
-            st["accumulated_grad"][level].copy_(lvl.accumulated_grad)
-            if level == 0:  # e_0 is the one EMA buffer kept (the meta proxy loss reads it)
-                st["ema_grad"][0].copy_(lvl.ema_grad)
-            st["step_count"][level] = float(lvl.step_count)
-    ours.momentum_mlp.load_state_dict(ref.momentum_mlp.state_dict())
-    if ref.mlp_optimizer is not None:
-        ours.mlp_optimizer.load_state_dict(copy.deepcopy(ref.mlp_optimizer.state_dict()))
-        # ours keys the history by the tensor's place in group order, the reference by id
-        ours._mlp_output_history = {ours._cms.index[po]: ref._mlp_output_history[id(pr)].clone()
-                                    for pr, po in zip(model_ref.parameters(),
-                                                      model_ours.parameters())
-                                    if id(pr) in ref._mlp_output_history}
 
 
 def _assert_state_close(actual, expected, what):
@@ -150,7 +128,7 @@ def test_cms_parity_250_steps(device, preprocessing, freqs, wd):
     for step, batch in enumerate(batches, start=1):
         before = None
         if preprocessing:
-            _sync_from_reference(ref, ours, model_r, model_o)
+            sync_cms_from_reference(ref, ours, model_r, model_o)
             before = [p.detach().clone() for p in model_r.parameters()]
         res_r = _one_step(model_r, ref, batch, step)
         res_o = _one_step(model_o, ours, batch, step)
@@ -178,7 +156,7 @@ def _phase1_steps(device, ours_setup, check):
     ours_setup(ours)
     batches = synthetic_batches("mlp", 15, seed=3, device=device)
     for step, batch in enumerate(batches, start=1):
-        _sync_from_reference(ref, ours, model_r, model_o)
+        sync_cms_from_reference(ref, ours, model_r, model_o)
         _one_step(model_r, ref, batch, step, inject=False)
         _one_step(model_o, ours, batch, step, inject=False)
         if step % ours.mlp_train_freq == 0:
@@ -212,8 +190,8 @@ def test_phase1_fused_trains_the_mlp_like_the_reference():
 
 
 def test_reference_itself_is_this_sensitive():
-    """Why _sync_from_reference exists: one MLP weight moved by 1 ulp makes the reference diverge from itself
-    far beyond rounding within 100 steps."""
+    """Why sync_cms_from_reference exists: one MLP weight moved by 1 ulp makes the reference
+    diverge from itself far beyond rounding within 100 steps."""
     model_a = make_mlp_10_32_5(seed=0)
     model_b = copy.deepcopy(model_a)
     a = ReferenceDeepNestedOptimizer(model_a, use_cms_updates=True, weight_decay=0.01)
@@ -243,7 +221,7 @@ def test_nan_gradient_without_clipping_skips_the_level_contribution(device, prep
     for step, batch in enumerate(batches, start=1):
         before = None
         if preprocessing:
-            _sync_from_reference(ref, ours, model_r, model_o)
+            sync_cms_from_reference(ref, ours, model_r, model_o)
             before = [p.detach().clone() for p in model_r.parameters()]
         _one_step(model_r, ref, batch, step)
         _one_step(model_o, ours, batch, step)
@@ -266,7 +244,7 @@ def test_meta_proxy_loss_in_cms_mode(preprocessing):
     compared = 0
     for step, batch in enumerate(synthetic_batches("mlp", 140, seed=12), start=1):
         if preprocessing:
-            _sync_from_reference(ref, ours, model_r, model_o)
+            sync_cms_from_reference(ref, ours, model_r, model_o)
         _one_step(model_r, ref, batch, step, inject=False)
         _one_step(model_o, ours, batch, step, inject=False)
         if step % 10 == 0:
