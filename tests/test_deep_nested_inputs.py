@@ -48,6 +48,14 @@ def _set(model, grads):
         p.grad = grads[name].to(p.device).clone()
 
 
+def _step_all(step, *pairs):
+    """One step of each (model, optimizer) pair on the same gradients."""
+    g = _grads(pairs[0][0], step)
+    for model, opt in pairs:
+        _set(model, g)
+        opt.step(0.5)
+
+
 def _roundtrip(sd):
     buf = io.BytesIO()
     torch.save(sd, buf)
@@ -88,11 +96,7 @@ def test_gradient_of_a_parameter_unfrozen_later_counts_in_the_clip_norm(device, 
         m.frozen.requires_grad_(True)
     frozen_before = model_o.frozen.weight.detach().clone()
     for step in range(1, 11):
-        g = _grads(model_r, step)
-        _set(model_r, g)
-        _set(model_o, g)
-        ref.step(0.5)
-        ours.step(0.5)
+        _step_all(step, (model_r, ref), (model_o, ours))
         for (name, pr), po in zip(model_r.named_parameters(), model_o.parameters()):
             torch.testing.assert_close(po.detach(), pr.detach(), rtol=2e-5, atol=1e-7,
                                        msg=lambda m: f"step {step} {name}: {m}")
@@ -177,11 +181,7 @@ def test_numpy_integer_hyperparameters_act_as_ints():
     b.controller.load_state_dict(a.controller.state_dict())
     b.momentum_mlp.load_state_dict(a.momentum_mlp.state_dict())
     for step in range(1, 16):
-        g = _grads(model_a, step)
-        _set(model_a, g)
-        _set(model_b, g)
-        a.step(0.5)
-        b.step(0.5)
+        _step_all(step, (model_a, a), (model_b, b))
     for pa, pb in zip(model_a.parameters(), model_b.parameters()):
         assert torch.equal(pa, pb)
 
@@ -232,11 +232,7 @@ def test_a_refused_gradient_changes_nothing_and_names_its_parameter(kw, bad, err
     clean = titanmac_c.DeepNestedOptimizer(twin, **kw)
     clean.load_state_dict(opt.state_dict())
     for step in range(1, 7):  # through a Phase 1 step (5) in CMS mode
-        g = _grads(model, step)
-        _set(model, g)
-        _set(twin, g)
-        opt.step(0.5)
-        clean.step(0.5)
+        _step_all(step, (model, opt), (twin, clean))
     params_before, state_before = _snapshot(model, opt)
     g = _grads(model, 7)
     _set(model, g)
