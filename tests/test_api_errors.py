@@ -236,3 +236,24 @@ def test_mixed_amsgrad_groups_precheck_keeps_everything():
     opt.step()
     opt.state[b[1]]["exp_avg_sq"] = torch.zeros(4, dtype=torch.float16)
     _expect(opt, a + b, ValueError, r"param_groups\[1\]\['params'\]\[1\]")
+
+
+@pytest.mark.parametrize("spoil, exc, match", [
+    # torch.optim.AdamW takes a column-major gradient; the C core needs contiguous tensors
+    (lambda p: setattr(p, "grad", torch.randn(3, 4).t()), BufferError, "not contiguous"),
+    (lambda p: setattr(p, "grad", p.detach()), ValueError, "shares memory"),
+])
+def test_mixed_amsgrad_groups_precheck_covers_what_the_c_core_refuses(spoil, exc, match):
+    """What the C core refuses in the second call (a non-contiguous gradient, a gradient that is
+    the parameter's own memory) is refused before the first call writes: the first group's
+    parameters and steps, and a first step's new state, stay as they were."""
+    for first_step in (True, False):
+        a = [torch.nn.Parameter(torch.randn(4, 3)) for _ in range(2)]
+        b = [torch.nn.Parameter(torch.randn(4, 3)) for _ in range(2)]
+        opt = titanmac_c.AdamW([{"params": a}, {"params": b, "amsgrad": True}], lr=0.1)
+        for p in a + b:
+            p.grad = torch.randn(4, 3)
+        if not first_step:
+            opt.step()
+        spoil(b[1])
+        _expect(opt, a + b, exc, rf"param_groups\[1\]\['params'\]\[1\]: .*{match}")

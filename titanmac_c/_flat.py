@@ -35,6 +35,12 @@ class Batch:
                 if t.shape != p.shape or t.dtype != p.dtype or t.device != p.device:
                     raise ValueError(f"{name}: state or gradient does not match the parameter "
                                      f"(shape {tuple(t.shape)}, dtype {t.dtype}, {t.device})")
+                if t.layout != torch.strided or not t.is_contiguous():
+                    raise BufferError(f"{name}: state or gradient not contiguous "
+                                      f"(strides {t.stride()})")
+                if p.numel() and t.data_ptr() == p.data_ptr():
+                    raise ValueError(f"{name}: state or gradient shares memory with the "
+                                     "parameter")
             step = self.steps[i]
             if step.dtype != torch.float32 or step.numel() != 1 or step.device != p.device:
                 raise ValueError(f"{name}: step must be a float32 scalar on {p.device}")
