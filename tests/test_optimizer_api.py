@@ -183,3 +183,39 @@ def test_loading_does_not_alias_the_checkpoint():
         opt_x.step()
         assert float(opt_x.state[p]["step"]) == 2.0
     assert float(saved["state"][0]["step"]) == 1.0
+
+
+def test_load_pre_hook_adapts_a_foreign_checkpoint_before_the_check():
+    """torch's documented way to load a checkpoint of another layout is a load_state_dict
+    pre-hook; ours checks the checkpoint as the hooks leave it, runs each hook once per load (as
+    torch does) and keeps them registered."""
+    calls = []
+
+    def rename(opt, sd):
+        calls.append(opt)
+        for entry in sd["state"].values():
+            entry["exp_avg"], entry["exp_avg_sq"] = entry.pop("m"), entry.pop("v")
+        return sd
+
+    def foreign():
+        p = torch.nn.Parameter(torch.randn(6))
+        t = torch.optim.AdamW([p], lr=0.01)
+        p.grad = torch.randn(6)
+        t.step()
+        sd = copy.deepcopy(t.state_dict())
+        for entry in sd["state"].values():
+            entry["m"], entry["v"] = entry.pop("exp_avg"), entry.pop("exp_avg_sq")
+        return t, sd
+
+    for cls in (torch.optim.AdamW, titanmac_c.AdamW):
+        t, sd = foreign()
+        opt = cls([torch.nn.Parameter(torch.randn(6))], lr=0.01)
+        opt.register_load_state_dict_pre_hook(rename)
+        opt.load_state_dict(sd)
+        (p,) = opt.param_groups[0]["params"]
+        (pt,) = t.param_groups[0]["params"]
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(opt.state[p][key], t.state[pt][key]), (cls, key)
+        assert float(opt.state[p]["step"]) == 1.0
+        opt.load_state_dict(foreign()[1])  # the hook is still there
+    assert len(calls) == 4

@@ -116,9 +116,24 @@ class AdamW(Optimizer):
 
     def load_state_dict(self, state_dict):
         """torch's load_state_dict, after checking every state tensor against its parameter, so a
-        corrupted checkpoint raises here and leaves the optimizer as it was."""
+        corrupted checkpoint raises here and leaves the optimizer as it was. The check sees the
+        checkpoint as the load pre-hooks leave it (torch's way of adapting a foreign one), so
+        they run first, on a shallow copy as torch runs them, and not again inside torch's."""
+        hooks = getattr(self, "_optimizer_load_state_dict_pre_hooks", None)
+        if hooks:
+            state_dict = state_dict.copy()
+            for hook in list(hooks.values()):
+                result = hook(self, state_dict)
+                if result is not None:
+                    state_dict = result
         self._check_loaded_state(state_dict)
-        super().load_state_dict(state_dict)
+        if hooks:
+            self._optimizer_load_state_dict_pre_hooks = type(hooks)()
+        try:
+            super().load_state_dict(state_dict)
+        finally:
+            if hooks:
+                self._optimizer_load_state_dict_pre_hooks = hooks
         self._normalize_steps(copy=True)
         self._clip_coef = {}
         self._plan = None
