@@ -251,3 +251,24 @@ def test_a_refused_gradient_changes_nothing_and_names_its_parameter(kw, bad, err
     clean.step(0.5)
     for pa, pb in zip(model.parameters(), twin.parameters()):
         assert torch.equal(pa, pb)
+
+
+@pytest.mark.parametrize("with_grad, match", [
+    (True, r"params\[1\]: not contiguous .* \(parameter '2.weight'\)$"),
+    (False, r"grads\[0\]: not contiguous .* \(parameter '2.weight', which has no gradient\)$"),
+])
+def test_a_parameter_spoiled_after_construction_is_named(with_grad, match):
+    """A parameter's storage replaced after construction (here by a column-major copy) is refused
+    by the C core; the message names it whether the controller step reads it with its gradient
+    (the grouped lists) or without one (the pass over parameters without gradients)."""
+    model = make_mlp_10_32_5(seed=0)
+    opt = titanmac_c.DeepNestedOptimizer(model)
+    _step_all(1, (model, opt))
+    _set(model, _grads(model, 2))
+    with torch.no_grad():
+        model[2].weight.data = model[2].weight.data.t().contiguous().t()
+    if not with_grad:
+        model[2].weight.grad = None
+    with pytest.raises(BufferError, match=match):
+        opt.step(0.5)
+    assert opt.global_step == 1

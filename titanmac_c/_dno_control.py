@@ -4,6 +4,8 @@ call, then tm_dno_control (loss EMA, NestedController, learning rates, clip coef
 predicate) on the device. Every tensor list comes from AdamW's cached plan in the steady state.
 """
 
+import re
+
 import torch
 
 from . import _C
@@ -86,9 +88,15 @@ class ControlStepMixin:
         out = torch.zeros(g + 1, dtype=torch.float32, device=self.device)
         if missing:
             tensors = [p.detach() for _, p in missing]
-            _C.norms(tensors, None, out[0:g], out[g:], group_of=[gi for gi, _ in missing],
-                     num_groups=g, scratch=norms_scratch(self.device, tensors),
-                     **exec_kwargs(self.device))
+            try:
+                _C.norms(tensors, None, out[0:g], out[g:], group_of=[gi for gi, _ in missing],
+                         num_groups=g, scratch=norms_scratch(self.device, tensors),
+                         **exec_kwargs(self.device))
+            except (BufferError, ValueError, TypeError) as err:
+                # "grads[i]" here counts the parameters without a gradient: name it here
+                i = int(re.match(r"grads\[(\d+)\]", str(err)).group(1))
+                name = self._param_names[missing[i][1]]
+                raise type(err)(f"{err} (parameter {name!r}, which has no gradient)") from None
         return out[0:g]
 
     def _controller_inputs(self, grad_norms, param_norms):

@@ -319,7 +319,7 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin):
                 return RuntimeError(f"parameter {self._param_names[p]!r}: {p.grad.layout} "
                                     "gradients are not supported (e.g. nn.Embedding(sparse=True))")
         match = re.match(r"(grads|params)\[(\d+)\]", str(err))
-        if match is None or int(match.group(2)) >= len(params):
+        if match is None or int(match.group(2)) >= len(params) or "(parameter " in str(err):
             return err
         p = params[int(match.group(2))]
         return type(err)(f"{err} (parameter {self._param_names[p]!r})")
