@@ -6,6 +6,8 @@ import operator
 
 import torch
 
+from ._runtime import dense_order
+
 _IS_NONE = functools.partial(operator.is_, None)
 _EXP_AVG, _EXP_AVG_SQ, _MAX_EXP_AVG_SQ, _STEP = (
     operator.itemgetter(k) for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step"))
@@ -20,6 +22,30 @@ class Batch:
         self.params, self.grads, self.exp_avgs, self.exp_avg_sqs = [], [], [], []
         self.max_exp_avg_sqs, self.steps, self.group_of = [], [], []
         self.names = []  # "param_groups[g]['params'][j]" of each flat entry
+        self.permuted = False  # some entries are permuted views (permute_dense): no Plan
+
+    def permute_dense(self):
+        """A parameter that is dense in another order (channels_last, transposed) goes to the C
+        core as its contiguous permuted view, and so do its gradient and state under the same
+        permutation: element i of each is then the same element, as long as they share the
+        parameter's strides (torch's state is created with preserve_format, and autograd gives
+        gradients the parameter's layout); otherwise the C core refuses the non-contiguous view
+        and names it. A Plan keeps parameters to read their .grad, so such a batch gets none."""
+        for i, p in enumerate(self.params):
+            if p.is_contiguous():
+                continue
+            order = dense_order(p)
+            if order is None:
+                continue  # the C core refuses it, with its name
+            self.permuted = True
+            self.params[i] = p.permute(order)
+            lists = [self.grads, self.exp_avgs, self.exp_avg_sqs]
+            if self.amsgrad:
+                lists.append(self.max_exp_avg_sqs)
+            for tensors in lists:
+                t = tensors[i]
+                if t.shape == p.shape:  # else precheck / the C core name the mismatch
+                    tensors[i] = t.permute(order)
 
     def precheck(self):
         """With several C calls per step, a failure in a later call must not follow a completed

@@ -23,6 +23,43 @@ def exec_kwargs(device: torch.device) -> dict:
     return {"num_threads": torch.get_num_threads()}
 
 
+def dense_order(t):
+    """The permutation of t's dimensions under which t is contiguous, when t is dense and
+    non-overlapping in another order (transposed, channels_last), else None. The C core reads a
+    tensor as numel elements from its data pointer, so an element-wise op or a norm may take
+    such a tensor through the permuted view, as long as every tensor it pairs element by element
+    with it has the same strides."""
+    order = sorted(range(t.dim()), key=lambda d: (-t.stride(d), -t.shape[d]))
+    return order if t.permute(order).is_contiguous() else None
+
+
+def dense_views(tensors):
+    """tensors, the non-contiguous dense ones replaced by their contiguous permuted views (same
+    memory); None when there is none to replace."""
+    views = list(tensors)
+    changed = False
+    for i, t in enumerate(views):
+        if not t.is_contiguous():
+            order = dense_order(t)
+            if order is not None:
+                views[i] = t.permute(order)
+                changed = True
+    return views if changed else None
+
+
+def call_dense(fn, tensors, *args, **kwargs):
+    """fn(tensors, ...); if the C core refuses a tensor (BufferError: it validates before
+    writing), again with dense_views(tensors) when that changes anything. Contiguous input costs
+    nothing extra."""
+    try:
+        return fn(tensors, *args, **kwargs)
+    except BufferError:
+        views = dense_views(tensors)
+        if views is None:
+            raise
+        return fn(views, *args, **kwargs)
+
+
 def norms_scratch(device: torch.device, grads, params=None):
     """Scratch for one tm_norms call: none on the CPU (the binding borrows host memory), a fresh
     block from torch's caching allocator on CUDA (stream-ordered, so no reuse race; needs no

@@ -7,6 +7,8 @@ Differences from torch (also listed in the README):
   returns it); for bf16/fp16 gradients torch sums in that dtype, so ours is the more accurate one.
 - clip_grad_norm_ computes the clip coefficient from the float32 norm.
 - get_total_norm and clip_grad_norm_ never wait on the GPU unless error_if_nonfinite=True.
+- non-contiguous tensors are taken when dense in another order (transposed, channels_last:
+  _runtime.dense_views); others (e.g. strided slices) raise BufferError, where torch copes.
 """
 
 import math
@@ -16,7 +18,7 @@ import torch
 
 from . import _C
 from . import _profiling as prof
-from ._runtime import exec_kwargs, norms_scratch
+from ._runtime import call_dense, exec_kwargs, norms_scratch
 
 GroupNorms = namedtuple("GroupNorms", "grad param total_grad total_param nonfinite")
 GroupNorms.__doc__ = """Per-group and global norms from one fused pass.
@@ -59,11 +61,12 @@ def _total_on_device(tensors, norm_type, device, max_norm=None):
     clip coefficient for max_norm (when given: written by the same call)."""
     out = torch.empty(3, dtype=torch.float32, device=device)
     clip = {} if max_norm is None else dict(coef=out[2:3], max_norm=max_norm)
-    scratch = norms_scratch(device, tensors)
-    _C.norms(
-        tensors, None, out[0:1], out[1:2], norm_type=norm_type, scratch=scratch, **clip,
-        **exec_kwargs(device),
-    )
+
+    def run(ts):
+        _C.norms(ts, None, out[0:1], out[1:2], norm_type=norm_type,
+                 scratch=norms_scratch(device, ts), **clip, **exec_kwargs(device))
+
+    call_dense(run, tensors)
     return out
 
 
@@ -133,7 +136,7 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
             if not single:  # the coefficient of the norm over all devices
                 _C.clip_coef(total.reshape(1).to(device), max_norm, coef,
                              stream=kwargs.get("stream"))
-            _C.scale_(device_grads, coef, **kwargs)
+            call_dense(_C.scale_, device_grads, coef, **kwargs)
     dtype = _result_dtype(grads)
     return total if dtype == torch.float32 else total.to(dtype)
 

@@ -18,6 +18,7 @@ from . import _profiling as prof
 from ._flat import Batch, Plan
 from ._runtime import (
     Scratch,
+    call_dense,
     check_supported_dtype,
     exec_kwargs,
     float_in_range,
@@ -225,9 +226,12 @@ class AdamW(Optimizer):
         if total_norm is None:
             # One pass; its finishing step also writes the coefficient (one launch on CUDA).
             group = torch.empty(1, dtype=torch.float32, device=device)
+            def run(ts):
+                _C.norms(ts, None, group, buf[0:1], norm_type=norm_type, coef=buf[1:2],
+                         max_norm=max_norm, scratch=norms_scratch(device, ts), **kwargs)
+
             with prof.step_range(prof.STATS):
-                _C.norms(grads, None, group, buf[0:1], norm_type=norm_type, coef=buf[1:2],
-                         max_norm=max_norm, scratch=norms_scratch(device, grads), **kwargs)
+                call_dense(run, grads)
             total = buf[0:1]
         else:
             total = total_norm.detach().reshape(1)
@@ -267,7 +271,7 @@ class AdamW(Optimizer):
         self.state.update(new_state)
         self._clip_coef = {}
         n_params = sum(len(g["params"]) for g in self.param_groups)
-        if len(batches) == 1 and len(batches[0].params) == n_params:
+        if len(batches) == 1 and len(batches[0].params) == n_params and not batches[0].permuted:
             self._plan = Plan(self, batches[0])
 
     def _run_batch(self, batch, groups, lrs, lr, grad_scale, skip, zero_grads_on_skip):
@@ -341,6 +345,8 @@ class AdamW(Optimizer):
                     batch.max_exp_avg_sqs.append(state["max_exp_avg_sq"])
                 batch.steps.append(state["step"])
                 batch.names.append(name)
+        for batch in batches.values():
+            batch.permute_dense()
         return list(batches.values()), new_state, groups, lrs
 
     @staticmethod

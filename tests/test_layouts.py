@@ -1,0 +1,179 @@
+"""Tensors that are dense but not contiguous (channels_last conv weights, transposed matrices):
+AdamW, clip_grad_norm_ and get_total_norm take them through their contiguous permuted views
+(_runtime.dense_views), element by element against torch over several steps. A gradient whose
+layout differs from its parameter's, and tensors that are not dense (strided slices), are refused
+with BufferError naming the tensor, and nothing changes.
+"""
+
+import copy
+
+import pytest
+import torch
+
+import titanmac_c
+from conftest import DEVICES, tol
+
+
+def _conv_model(device, dtype=torch.float32):
+    """A small CNN in channels_last: its 4-d weights (and their gradients) are not contiguous."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(),
+            torch.nn.Conv2d(8, 4, 3, padding=1), torch.nn.Flatten(), torch.nn.Linear(4 * 36, 5))
+    return model.to(device=device, dtype=dtype, memory_format=torch.channels_last)
+
+
+def _batch(step, device, dtype):
+    gen = torch.Generator().manual_seed(100 + step)
+    x = torch.randn(4, 3, 6, 6, generator=gen).to(device=device, dtype=dtype)
+    return x.contiguous(memory_format=torch.channels_last), torch.randn(4, 5, generator=gen).to(
+        device=device, dtype=dtype)
+
+
+def _backward(model, step):
+    p0 = next(model.parameters())
+    x, y = _batch(step, p0.device, p0.dtype)
+    model.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_adamw_on_a_channels_last_model_matches_torch(device, dtype, amsgrad):
+    ref = _conv_model(device, dtype)
+    ours = copy.deepcopy(ref)
+    assert not ref[0].weight.is_contiguous()  # the case under test
+    kw = dict(lr=1e-2, weight_decay=0.1, amsgrad=amsgrad)
+    opt_ref = torch.optim.AdamW(ref.parameters(), fused=(dtype != torch.float32), **kw)
+    opt = titanmac_c.AdamW(ours.parameters(), **kw)
+    for step in range(1, 9):
+        _backward(ref, step)
+        _backward(ours, step)
+        opt_ref.step()
+        opt.step()
+        for (name, pr), po in zip(ref.named_parameters(), ours.parameters()):
+            assert po.stride() == pr.stride(), name  # updated in place, layout kept
+            torch.testing.assert_close(po, pr, **tol(dtype, device),
+                                       msg=lambda m: f"step {step} {name}: {m}")
+            for key in ("exp_avg", "exp_avg_sq"):
+                torch.testing.assert_close(opt.state[po][key], opt_ref.state[pr][key],
+                                           **tol(dtype, device),
+                                           msg=lambda m: f"step {step} {name} {key}: {m}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_adamw_on_a_transposed_parameter_matches_torch(device):
+    """nn.Parameter(w.t()) (e.g. a tied or imported weight): autograd gives its gradient the
+    same transposed layout."""
+    w = torch.randn(7, 5, device=device)
+    ref = torch.nn.Parameter(w.t().clone().t().t())  # transposed storage, shape [5, 7]
+    ours = torch.nn.Parameter(ref.detach().clone().t().contiguous().t())
+    assert ref.stride() == ours.stride() == (1, 5) and torch.equal(ref, ours)
+    opt_ref = torch.optim.AdamW([ref], lr=1e-2)
+    opt = titanmac_c.AdamW([ours], lr=1e-2)
+    x = torch.randn(3, 7, device=device)
+    for step in range(6):
+        for p, o in ((ref, opt_ref), (ours, opt)):
+            o.zero_grad()
+            ((x @ p.t()) ** 2).sum().backward()
+            assert p.grad.stride() == p.stride()
+            o.step()
+        torch.testing.assert_close(ours, ref, **tol(torch.float32, device))
+
+
+def _snapshot(opt, params):
+    return ([p.detach().clone() for p in params],
+            {id(p): {k: v.clone() for k, v in opt.state[p].items()} for p in opt.state})
+
+
+def _assert_unchanged(opt, params, snap):
+    values, state = snap
+    for p, v in zip(params, values):
+        assert torch.equal(p.detach(), v)
+    assert {id(p) for p in opt.state} == set(state)
+    for p in opt.state:
+        for k, v in state[id(p)].items():
+            assert torch.equal(opt.state[p][k], v), k
+
+
+@pytest.mark.parametrize("groups", ["one", "mixed-amsgrad"])
+def test_a_gradient_in_another_layout_is_refused_and_changes_nothing(groups):
+    model = _conv_model("cpu")
+    params = list(model.parameters())
+    if groups == "one":
+        opt = titanmac_c.AdamW(params, lr=1e-2)
+    else:  # two C calls: the precheck must stop the first one
+        opt = titanmac_c.AdamW([{"params": params[2:]}, {"params": params[:2], "amsgrad": True}],
+                               lr=1e-2)
+    _backward(model, 1)
+    opt.step()
+    _backward(model, 2)
+    model[0].weight.grad = model[0].weight.grad.contiguous()  # NCHW against a channels_last weight
+    snap = _snapshot(opt, params)
+    with pytest.raises(BufferError, match=r"not contiguous"):
+        opt.step()
+    _assert_unchanged(opt, params, snap)
+
+
+def test_a_parameter_that_is_not_dense_is_refused():
+    base = torch.randn(4, 12)
+    p = torch.nn.Parameter(base[:, ::2])  # every other column: no order makes it contiguous
+    opt = titanmac_c.AdamW([p], lr=1e-2)
+    p.grad = torch.randn(4, 12)[:, ::2]
+    with pytest.raises(BufferError, match=r"not contiguous"):
+        opt.step()
+    assert p not in opt.state
+    with pytest.raises(BufferError, match=r"not contiguous"):
+        titanmac_c.get_total_norm([p.grad])
+
+
+def _grads_in_layouts(device):
+    """Gradients of every layout the functions take: contiguous, transposed, channels_last."""
+    gen = torch.Generator().manual_seed(3)
+    return [torch.randn(9, 4, generator=gen).to(device),
+            torch.randn(6, 5, generator=gen).to(device).t(),
+            torch.randn(2, 3, 4, 5, generator=gen).to(device).contiguous(
+                memory_format=torch.channels_last)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("norm_type", [1.0, 2.0, 3.5, float("inf")])
+def test_norm_functions_take_dense_layouts_like_torch(device, norm_type):
+    grads = _grads_in_layouts(device)
+    assert [g.is_contiguous() for g in grads] == [True, False, False]
+    torch.testing.assert_close(titanmac_c.get_total_norm(grads, norm_type),
+                               torch.nn.utils.get_total_norm(grads, norm_type),
+                               rtol=1e-6, atol=0)
+    ref = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    ours = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for pr, po, g in zip(ref, ours, grads):
+        pr.grad, po.grad = g.clone(), g.clone()
+        assert po.grad.stride() == g.stride()
+    total_ref = torch.nn.utils.clip_grad_norm_(ref, 0.5, norm_type)
+    total = titanmac_c.clip_grad_norm_(ours, 0.5, norm_type)
+    torch.testing.assert_close(total, total_ref, rtol=1e-6, atol=0)
+    for pr, po in zip(ref, ours):
+        assert po.grad.stride() == pr.grad.stride()
+        torch.testing.assert_close(po.grad, pr.grad, rtol=2e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_adamw_clip_then_step_on_a_channels_last_model(device):
+    """AdamW.clip_grad_norm_ (the coefficient applied as the step loads each gradient) against
+    torch's clip_grad_norm_ then step."""
+    ref = _conv_model(device)
+    ours = copy.deepcopy(ref)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = titanmac_c.AdamW(ours.parameters(), lr=1e-2)
+    for step in range(1, 6):
+        _backward(ref, step)
+        _backward(ours, step)
+        total_ref = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
+        total = opt.clip_grad_norm_(0.1)
+        torch.testing.assert_close(total, total_ref, rtol=1e-6, atol=0)
+        opt_ref.step()
+        opt.step()
+        for pr, po in zip(ref.parameters(), ours.parameters()):
+            torch.testing.assert_close(po, pr, **tol(torch.float32, device))
