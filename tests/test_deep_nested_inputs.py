@@ -272,3 +272,24 @@ def test_a_parameter_spoiled_after_construction_is_named(with_grad, match):
     with pytest.raises(BufferError, match=match):
         opt.step(0.5)
     assert opt.global_step == 1
+
+
+def test_checkpoint_groups_hold_the_rates_used_and_param_groups_can_be_assigned():
+    """The reference writes base_lr * mu_g into AdamW's groups every step (a host read per step
+    that ours does not make): its checkpoints hold the last step's rates, and so do ours. The
+    reference's param_groups setter stores the value without effect (wrappers such as
+    Accelerate's assign it); ours too."""
+    (model_r, ref), (model_o, ours) = reference_and_ours(make_mlp_10_32_5(seed=0),
+                                                         weight_decay=0.01)
+    for step in range(1, 12):
+        _step_all(step, (model_r, ref), (model_o, ours))
+    saved_r = ref.state_dict()["base_optimizer"]["param_groups"]
+    saved_o = ours.state_dict()["base_optimizer"]["param_groups"]
+    assert [g["lr"] for g in saved_o] == pytest.approx([g["lr"] for g in saved_r], rel=1e-6)
+    assert [g["lr"] for g in saved_o] != pytest.approx([1e-3, 1e-3], rel=1e-3)  # mu moved them
+    groups = ours.param_groups
+    ours.param_groups = []
+    assert ours.param_groups is groups
+    before = [p.detach().clone() for p in model_o.parameters()]
+    _step_all(12, (model_o, ours))
+    assert not all(torch.equal(a, p) for a, p in zip(before, model_o.parameters()))

@@ -239,7 +239,14 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin):
 
     @property
     def param_groups(self):
+        """AdamW's groups. Their "lr" stays base_lr: the rates used, base_lr * mu, live in a
+        device tensor (get_effective_lrs() reads them; state_dict() writes them into the saved
+        groups, as the reference's would hold them)."""
         return self.base_optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value):
+        self._param_groups = value  # stored only, no effect: the reference's setter (spec 12)
 
     def set_loss(self, loss_value):
         self._stored_loss = loss_value
@@ -413,8 +420,12 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin):
     # ------------------------------------------------------------------ Appendix A, checkpoints
 
     def state_dict(self):
+        base = self.base_optimizer.state_dict()
+        # the reference's AdamW groups hold base_lr * mu_g of the last step (one host read here)
+        for group, lr in zip(base["param_groups"], self.get_effective_lrs()):
+            group["lr"] = lr
         sd = {
-            "base_optimizer": self.base_optimizer.state_dict(),
+            "base_optimizer": base,
             "momentum_mlp": self._module_state(self.momentum_mlp),
             "controller": self._module_state(self.controller),
             "meta_optimizer": self.meta_optimizer.state_dict(),
