@@ -284,18 +284,21 @@ class CMSModeMixin:
                   else self.momentum_hidden_dim)
         kwargs = exec_kwargs(self.device)
         scratch = None
-        if self.device.type == "cuda":
-            nbytes = _C.cms_scratch_bytes(params, levels=cms.k, net=net)
-            scratch = self._cms_scratch.get(self.device, nbytes)
-        _C.cms_step(
-            params, grads, lists["momentum"], lists["accumulated_grad"], lists["ema_grad"],
-            lists["v_sq"], [cms.step_counts[i] for i in idx], self._lr, group_of,
-            [w.detach() for w in self.momentum_mlp.parameters()],
-            fires=cms.fires(t), divisors=[float(max(f, 1)) for f in self.cms_frequencies],
-            ema_decays=cms.ema_decays, net=net, hidden=hidden,
-            layers=self.momentum_num_layers, weight_decay=self.weight_decay, t=float(t),
-            base_lr=self.base_lr, loss=self._loss, grad_scale=self._coef, skip=self.skipped,
-            scratch=scratch, **kwargs)
+        try:
+            if self.device.type == "cuda":
+                nbytes = _C.cms_scratch_bytes(params, levels=cms.k, net=net)
+                scratch = self._cms_scratch.get(self.device, nbytes)
+            _C.cms_step(
+                params, grads, lists["momentum"], lists["accumulated_grad"], lists["ema_grad"],
+                lists["v_sq"], [cms.step_counts[i] for i in idx], self._lr, group_of,
+                [w.detach() for w in self.momentum_mlp.parameters()],
+                fires=cms.fires(t), divisors=[float(max(f, 1)) for f in self.cms_frequencies],
+                ema_decays=cms.ema_decays, net=net, hidden=hidden,
+                layers=self.momentum_num_layers, weight_decay=self.weight_decay, t=float(t),
+                base_lr=self.base_lr, loss=self._loss, grad_scale=self._coef, skip=self.skipped,
+                scratch=scratch, **kwargs)
+        except (BufferError, ValueError, TypeError) as err:
+            self._reraise_named(err, params)
 
     def _mlp_proxy_loss(self, loss_value, grad_scale):
         """Spec 9.3 in CMS mode (in AdamW mode every target is zero, so it is 0). No gradient

@@ -4,13 +4,11 @@ call, then tm_dno_control (loss EMA, NestedController, learning rates, clip coef
 predicate) on the device. Every tensor list comes from AdamW's cached plan in the steady state.
 """
 
-import re
-
 import torch
 
 from . import _C
 from ._reference_dno import EMA_LOSS_BETA, MAX_LR_MULT, MIN_LR_MULT, N_GROUPS
-from ._runtime import exec_kwargs, norms_scratch
+from ._runtime import exec_kwargs, norms_scratch, reraise_with_names
 
 
 class ControlStepMixin:
@@ -45,9 +43,13 @@ class ControlStepMixin:
         if not grads:
             norms.zero_()
         else:
-            kw = dict(group_param=norms[g:2 * g] if update else None, group_of=group_of,
-                      num_groups=g, scratch=norms_scratch(self.device, grads, params))
-            _C.norms(grads, params, norms[0:g], norms[2 * g:], **kw, **exec_kwargs(self.device))
+            try:
+                kw = dict(group_param=norms[g:2 * g] if update else None, group_of=group_of,
+                          num_groups=g, scratch=norms_scratch(self.device, grads, params))
+                _C.norms(grads, params, norms[0:g], norms[2 * g:], **kw,
+                         **exec_kwargs(self.device))
+            except (BufferError, ValueError, TypeError) as err:
+                self._reraise_named(err, self._gather(True)[1])
         extra = self._ungrouped_grads()
         if extra:
             self._add_to_total_norm(extra)
@@ -66,22 +68,24 @@ class ControlStepMixin:
 
     def _add_to_total_norm(self, extra):
         """total grad norm <- hypot(total, ||extra||): a NaN there skips the step, as in the
-        reference. These gradients are checked here, so a C-core error names the grouped ones."""
-        for name, grad in extra:
-            if (grad.dtype not in (torch.float32, torch.bfloat16, torch.float16)
-                    or grad.layout != torch.strided or not grad.is_contiguous()
-                    or grad.device != self.device):
-                raise BufferError(f"parameter {name!r} (outside the optimizer's groups, its "
-                                  "gradient counts in the clip norm): the gradient must be a "
-                                  "contiguous float32/bfloat16/float16 tensor on "
-                                  f"{self.device}, got {grad.dtype} {grad.layout} on "
-                                  f"{grad.device}, contiguous={grad.is_contiguous()}")
+        reference."""
         grads = [grad for _, grad in extra]
         out = torch.empty(2, dtype=torch.float32, device=self.device)
-        _C.norms(grads, None, out[0:1], out[1:], group_of=[0] * len(grads), num_groups=1,
-                 scratch=norms_scratch(self.device, grads), **exec_kwargs(self.device))
+        try:
+            _C.norms(grads, None, out[0:1], out[1:], group_of=[0] * len(grads), num_groups=1,
+                     scratch=norms_scratch(self.device, grads), **exec_kwargs(self.device))
+        except (BufferError, ValueError, TypeError) as err:
+            reraise_with_names(err, [f"parameter {name!r} (outside the optimizer's groups, its "
+                                     "gradient counts in the clip norm)" for name, _ in extra],
+                               lists=("grads",))
         total = self._norms[2 * N_GROUPS:]
         total.copy_(torch.hypot(total, out[1:]))
+
+    def _reraise_named(self, err, params, note=""):
+        """A C-core error about "grads[i]" / "params[i]" of lists in the order of params, with
+        params[i]'s name appended."""
+        reraise_with_names(err, [f"parameter {self._param_names[p]!r}{note}" for p in params],
+                           lists=("grads", "params"))
 
     def _param_norms_without_grads(self, missing):
         g = N_GROUPS
@@ -93,10 +97,8 @@ class ControlStepMixin:
                          num_groups=g, scratch=norms_scratch(self.device, tensors),
                          **exec_kwargs(self.device))
             except (BufferError, ValueError, TypeError) as err:
-                # "grads[i]" here counts the parameters without a gradient: name it here
-                i = int(re.match(r"grads\[(\d+)\]", str(err)).group(1))
-                name = self._param_names[missing[i][1]]
-                raise type(err)(f"{err} (parameter {name!r}, which has no gradient)") from None
+                # "grads[i]" here counts the parameters without a gradient
+                self._reraise_named(err, [p for _, p in missing], ", which has no gradient")
         return out[0:g]
 
     def _controller_inputs(self, grad_norms, param_norms):

@@ -94,12 +94,13 @@ class Scratch:
 _LIST_INDEX = re.compile(r"^(\w+)\[(\d+)\]")
 
 
-def reraise_with_names(exc: Exception, flat_names, group_names=None):
+def reraise_with_names(exc: Exception, flat_names, group_names=None, lists=None):
     """Re-raise an error of the C core whose message starts with "<list>[<i>]" with the user's name
-    of tensor i appended, e.g. "exp_avg[3]: ... (param_groups[0]['params'][5])"."""
+    of tensor i appended, e.g. "exp_avg[3]: ... (param_groups[0]['params'][5])". lists: the list
+    names whose index flat_names follows (None: every list of the call shares it)."""
     message = str(exc)
     match = _LIST_INDEX.match(message)
-    if match:
+    if match and (lists is None or match.group(1) in lists or match.group(1) == "groups"):
         names = group_names if match.group(1) == "groups" else flat_names
         index = int(match.group(2))
         if names is not None and index < len(names):

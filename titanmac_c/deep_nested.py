@@ -37,7 +37,6 @@ CUDA-graph mode.
 
 import math
 import numbers
-import re
 import warnings
 
 import torch
@@ -65,7 +64,7 @@ from ._reference_dno import (
 from ._dno_graph import GraphState
 from ._cms import CMSModeMixin, CMSState, init_output_on_sign
 from ._dno_control import ControlStepMixin
-from ._runtime import Scratch
+from ._runtime import SUPPORTED_DTYPES, Scratch
 from .optim import AdamW
 
 
@@ -95,7 +94,6 @@ def _check_float(name, value, low=0.0):
     return value
 
 
-_C_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _COMPILED_PREFIX = "_orig_mod."  # torch.compile's wrapper names the wrapped module so
 
 
@@ -112,7 +110,7 @@ def _check_grouped(groups, group_names, device):
     (the reference accepts these and trains them with torch ops)."""
     for group, names in zip(groups, group_names):
         for p, name in zip(group["params"], names):
-            if p.dtype not in _C_DTYPES:
+            if p.dtype not in SUPPORTED_DTYPES:
                 raise BufferError(f"parameter {name!r}: dtype {p.dtype} is not supported (float32, "
                                   "bfloat16, float16; e.g. model.float())")
             if p.device != device:
@@ -299,10 +297,12 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin):
                 with prof.step_range(prof.STEP):
                     if self._graph is None or not self._graph.step(t, update):
                         self._eager_step(t, update, isinstance(loss, torch.Tensor))
-            except (BufferError, ValueError, TypeError) as err:
-                # The C core refused a tensor before writing anything: the step did not happen.
+            except (BufferError, ValueError, TypeError):
+                # The C core refused a tensor before writing anything (the call sites name it):
+                # the step did not happen.
                 self.global_step = t - 1
-                raise self._named_error(err) from None
+                self._raise_if_sparse()
+                raise
         if self.mode == "simple" and t % self.meta_update_freq == 0:
             # Host logic every meta_update_freq steps; a step the guard skipped gets no meta update,
             # as in the reference, whose skip returns before it.
@@ -316,20 +316,13 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin):
             result["surrogate_loss"] = self._last_surrogate_loss  # stale after its step, as ref
         return result
 
-    def _named_error(self, err):
-        """err with the parameter behind the C core's "grads[i]" / "params[i]" named (i counts
-        the grouped tensors with a gradient, the lists the C calls get); sparse gradients get
-        their own message."""
-        _, params, group_of, _ = self._gather(with_params=True)
-        for p in params:
+    def _raise_if_sparse(self):
+        """A sparse gradient fails the first C call with torch's DLPack message: say what it is."""
+        for p in self._gather(with_params=True)[1]:
             if p.grad.layout != torch.strided:
-                return RuntimeError(f"parameter {self._param_names[p]!r}: {p.grad.layout} "
-                                    "gradients are not supported (e.g. nn.Embedding(sparse=True))")
-        match = re.match(r"(grads|params)\[(\d+)\]", str(err))
-        if match is None or int(match.group(2)) >= len(params) or "(parameter " in str(err):
-            return err
-        p = params[int(match.group(2))]
-        return type(err)(f"{err} (parameter {self._param_names[p]!r})")
+                raise RuntimeError(f"parameter {self._param_names[p]!r}: {p.grad.layout} "
+                                   "gradients are not supported (e.g. nn.Embedding(sparse=True))"
+                                   ) from None
 
     def _take_loss(self, loss_value):
         loss = loss_value if loss_value is not None else self._stored_loss
