@@ -129,3 +129,22 @@ def sync_cms_from_reference(ref, ours, model_ref, model_ours):
                                     for pr, po in zip(model_ref.parameters(),
                                                       model_ours.parameters())
                                     if id(pr) in ref._mlp_output_history}
+
+
+def expect_refused(opt, params, exc, match, action=None):
+    """action (default opt.step) raises exc matching match, and the parameters and the
+    optimizer's state (the same entries, every tensor) are bitwise as before."""
+    values = [p.detach().clone() for p in params]
+    state = {id(p): {k: v.clone() for k, v in opt.state[p].items()} for p in opt.state}
+    with pytest.raises(exc, match=match):
+        (action or opt.step)()
+    for p, v in zip(params, values):
+        assert torch.equal(p.detach(), v), "a parameter changed"
+    assert {id(p) for p in opt.state} == set(state), "state entries were added or removed"
+    for p in opt.state:
+        for k, v in state[id(p)].items():
+            now = opt.state[p][k]
+            if v.device.type == "meta":  # a planted bad tensor: no data to compare
+                assert now.device.type == "meta"
+                continue
+            assert now.dtype == v.dtype and torch.equal(now, v), f"state {k} changed"

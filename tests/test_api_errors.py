@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import titanmac_c
+from conftest import expect_refused
 from titanmac_c import _C
 
 
@@ -24,39 +25,13 @@ def _setup(n_groups=2, amsgrad=False):
     return opt, params
 
 
-def _snapshot(opt, params):
-    state = {id(p): {k: v.clone() for k, v in opt.state[p].items()} for p in opt.state}
-    return [p.detach().clone() for p in params], state, len(opt.state)
-
-
-def _assert_unchanged(opt, params, snap):
-    values, state, n_state = snap
-    for p, v in zip(params, values):
-        assert torch.equal(p.detach(), v), "a parameter changed"
-    assert len(opt.state) == n_state, "state entries were added"
-    for p in opt.state:
-        for k, v in state[id(p)].items():
-            now = opt.state[p][k]
-            if v.device.type == "meta":  # a planted bad tensor: no data to compare
-                assert now.device.type == "meta"
-                continue
-            assert now.dtype == v.dtype and torch.equal(now, v), f"state {k} changed"
-
-
-def _expect(opt, params, exc, match, action=None):
-    snap = _snapshot(opt, params)
-    with pytest.raises(exc, match=match):
-        (action or opt.step)()
-    _assert_unchanged(opt, params, snap)
-
-
 # --------------------------------------------------------------- corrupted state
 
 
 def test_state_dtype_mismatch():
     opt, params = _setup()
     opt.state[params[2]]["exp_avg"] = opt.state[params[2]]["exp_avg"].to(torch.bfloat16)
-    _expect(opt, params, ValueError,
+    expect_refused(opt, params, ValueError,
             r"exp_avg\[\d\]: dtype bfloat16 does not match params\[\d\] dtype float32 "
             r"\(param_groups\[0\]\['params'\]\[1\]\)")
 
@@ -64,13 +39,13 @@ def test_state_dtype_mismatch():
 def test_state_unsupported_dtype():
     opt, params = _setup()
     opt.state[params[1]]["exp_avg_sq"] = opt.state[params[1]]["exp_avg_sq"].double()
-    _expect(opt, params, BufferError, r"exp_avg_sq\[\d\]: dtype float64 is not supported")
+    expect_refused(opt, params, BufferError, r"exp_avg_sq\[\d\]: dtype float64 is not supported")
 
 
 def test_state_size_mismatch():
     opt, params = _setup()
     opt.state[params[3]]["exp_avg_sq"] = torch.zeros(12)
-    _expect(opt, params, ValueError,
+    expect_refused(opt, params, ValueError,
             r"exp_avg_sq\[\d\]: numel 12 does not match params\[\d\] numel 11 "
             r"\(param_groups\[1\]\['params'\]\[1\]\)")
 
@@ -78,26 +53,26 @@ def test_state_size_mismatch():
 def test_step_tensor_corrupted():
     opt, params = _setup()
     opt.state[params[0]]["step"] = torch.zeros(3)
-    _expect(opt, params, ValueError, r"step\[0\]: expected float32 with 1 element")
+    expect_refused(opt, params, ValueError, r"step\[0\]: expected float32 with 1 element")
 
 
 def test_state_aliasing_param():
     opt, params = _setup()
     opt.state[params[1]]["exp_avg"] = params[1].data
-    _expect(opt, params, ValueError, r"exp_avg\[\d\]: shares memory with params\[\d\]")
+    expect_refused(opt, params, ValueError, r"exp_avg\[\d\]: shares memory with params\[\d\]")
 
 
 def test_state_on_meta_device():
     opt, params = _setup()
     opt.state[params[0]]["exp_avg"] = torch.zeros(5, device="meta")
-    _expect(opt, params, BufferError, r"exp_avg\[0\]")
+    expect_refused(opt, params, BufferError, r"exp_avg\[0\]")
 
 
 def test_corrupted_state_through_load_state_dict():
     opt, params = _setup()
     sd = opt.state_dict()
     sd["state"][2]["exp_avg"] = torch.zeros(4)  # params[2] has 9 elements
-    _expect(opt, params, ValueError,
+    expect_refused(opt, params, ValueError,
             r"load_state_dict: param_groups\[1\]\['params'\]\[0\]: exp_avg has shape \(4,\), "
             r"but the parameter has shape \(7,\)|load_state_dict: .*exp_avg has shape \(4,\)",
             lambda: opt.load_state_dict(sd))
@@ -107,14 +82,14 @@ def test_load_state_dict_missing_amsgrad_state():
     opt, params = _setup(amsgrad=True)
     sd = opt.state_dict()
     del sd["state"][1]["max_exp_avg_sq"]
-    _expect(opt, params, ValueError, r"has no 'max_exp_avg_sq'", lambda: opt.load_state_dict(sd))
+    expect_refused(opt, params, ValueError, r"has no 'max_exp_avg_sq'", lambda: opt.load_state_dict(sd))
 
 
 def test_load_state_dict_wrong_step_shape():
     opt, params = _setup()
     sd = opt.state_dict()
     sd["state"][0]["step"] = torch.zeros(2)
-    _expect(opt, params, ValueError, r"step has 2 elements", lambda: opt.load_state_dict(sd))
+    expect_refused(opt, params, ValueError, r"step has 2 elements", lambda: opt.load_state_dict(sd))
 
 
 # --------------------------------------------------------------- bad tensors
@@ -123,7 +98,7 @@ def test_load_state_dict_wrong_step_shape():
 def test_sparse_gradient():
     opt, params = _setup()
     params[3].grad = params[3].grad.to_sparse()
-    _expect(opt, params, RuntimeError,
+    expect_refused(opt, params, RuntimeError,
             r"param_groups\[1\]\['params'\]\[1\]: AdamW does not support sparse gradients")
 
 
@@ -132,7 +107,7 @@ def test_complex_parameter():
     z = torch.nn.Parameter(torch.randn(3, dtype=torch.complex64))
     opt.add_param_group({"params": [z]})
     z.grad = torch.randn(3, dtype=torch.complex64)
-    _expect(opt, params, TypeError,
+    expect_refused(opt, params, TypeError,
             r"param_groups\[2\]\['params'\]\[0\]: dtype complex64 is not supported")
 
 
@@ -144,7 +119,7 @@ def test_non_dense_parameter_refused_without_state():
     nc = torch.nn.Parameter(base[:, ::2])  # every other column: not dense
     opt.add_param_group({"params": [nc]})
     nc.grad = torch.randn(4, 12)[:, ::2]
-    _expect(opt, params + [nc], BufferError, r"params\[\d\]: not contiguous")
+    expect_refused(opt, params + [nc], BufferError, r"params\[\d\]: not contiguous")
     assert nc not in opt.state
 
 
@@ -217,14 +192,14 @@ def test_constructor_rejects_like_torch(kw, match):
 def test_hyperparameters_changed_after_construction(key, value, match):
     opt, params = _setup()
     opt.param_groups[1][key] = value
-    _expect(opt, params, ValueError, match)
+    expect_refused(opt, params, ValueError, match)
 
 
 def test_bad_state_in_second_group_changes_first_group_neither():
     """One C call per device validates all groups before writing anything."""
     opt, params = _setup(n_groups=2)
     opt.state[params[3]]["exp_avg"] = torch.zeros(3)
-    _expect(opt, params, ValueError, r"exp_avg\[3\]: numel 3")
+    expect_refused(opt, params, ValueError, r"exp_avg\[3\]: numel 3")
 
 
 def test_mixed_amsgrad_groups_precheck_keeps_everything():
@@ -237,7 +212,7 @@ def test_mixed_amsgrad_groups_precheck_keeps_everything():
         p.grad = torch.randn(4)
     opt.step()
     opt.state[b[1]]["exp_avg_sq"] = torch.zeros(4, dtype=torch.float16)
-    _expect(opt, a + b, ValueError, r"param_groups\[1\]\['params'\]\[1\]")
+    expect_refused(opt, a + b, ValueError, r"param_groups\[1\]\['params'\]\[1\]")
 
 
 @pytest.mark.parametrize("spoil, exc, match", [
@@ -258,4 +233,4 @@ def test_mixed_amsgrad_groups_precheck_covers_what_the_c_core_refuses(spoil, exc
         if not first_step:
             opt.step()
         spoil(b[1])
-        _expect(opt, a + b, exc, rf"param_groups\[1\]\['params'\]\[1\]: .*{match}")
+        expect_refused(opt, a + b, exc, rf"param_groups\[1\]\['params'\]\[1\]: .*{match}")
