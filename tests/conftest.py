@@ -114,13 +114,12 @@ def sync_cms_from_reference(ref, ours, model_ref, model_ours):
     and check each step's computation."""
     for pr, po in zip(model_ref.parameters(), model_ours.parameters()):
         po.copy_(pr)
-        st = ours.state[po]
-        for level, lvl in enumerate(ref.state[pr].levels):
-            st["momentum"][level].copy_(lvl.momentum)
-            st["accumulated_grad"][level].copy_(lvl.accumulated_grad)
-            if level == 0:  # e_0 is the one EMA buffer kept (the meta proxy loss reads it)
-                st["ema_grad"][0].copy_(lvl.ema_grad)
-            st["step_count"][level] = float(lvl.step_count)
+        for mine, lvl in zip(ours.state[po].levels, ref.state[pr].levels):
+            mine.momentum.copy_(lvl.momentum)
+            mine.accumulated_grad.copy_(lvl.accumulated_grad)
+            if mine is ours.state[po].levels[0]:  # e_0: the one EMA kept (the meta proxy reads it)
+                mine.ema_grad.copy_(lvl.ema_grad)
+            mine.step_count = lvl.step_count
     ours.momentum_mlp.load_state_dict(ref.momentum_mlp.state_dict())
     if ref.mlp_optimizer is not None:
         ours.mlp_optimizer.load_state_dict(copy.deepcopy(ref.mlp_optimizer.state_dict()))

@@ -103,14 +103,12 @@ def _compare(ref, ours, model_ref, model_ours, step, before=None, elementwise=Tr
                                        msg=lambda m: f"step {step} {name}: {m}")
         else:
             _assert_update_close(po, pr, before[i], f"step {step} {name}")
-        st = ours.state[po]
-        for level, lvl in enumerate(ref.state[pr].levels):
-            check(st["momentum"][level], lvl.momentum, f"step {step} {name} m{level}")
-            check(st["accumulated_grad"][level], lvl.accumulated_grad,
-                  f"step {step} {name} A{level}")
+        for level, (mine, lvl) in enumerate(zip(ours.state[po].levels, ref.state[pr].levels)):
+            check(mine.momentum, lvl.momentum, f"step {step} {name} m{level}")
+            check(mine.accumulated_grad, lvl.accumulated_grad, f"step {step} {name} A{level}")
             if level == 0:
-                check(st["ema_grad"][0], lvl.ema_grad, f"step {step} {name} e0")
-            assert float(st["step_count"][level]) == lvl.step_count, (step, name, level)
+                check(mine.ema_grad, lvl.ema_grad, f"step {step} {name} e0")
+            assert mine.step_count == lvl.step_count, (step, name, level)
     torch.testing.assert_close(ours.get_lr_multipliers(), ref.get_lr_multipliers(), rtol=1e-5,
                                atol=1e-6)
 
@@ -227,7 +225,7 @@ def test_nan_gradient_without_clipping_skips_the_level_contribution(device, prep
         _one_step(model_o, ours, batch, step)
         _compare(ref, ours, model_r, model_o, step, before)
         if step == NAN_GRAD_STEP:  # the NaN did reach the CMS state (until level 1 fires)
-            poisoned = ours.state[next(model_o.parameters())]["accumulated_grad"][1]
+            poisoned = ours.state[next(model_o.parameters())].levels[1].accumulated_grad
             assert not torch.isfinite(poisoned).all()
     for po in model_o.parameters():
         assert torch.isfinite(po).all()
@@ -294,9 +292,9 @@ def test_resume_mid_period_is_bitwise(preprocessing):
     for pa, pc in zip(model_a.parameters(), model_c.parameters()):
         assert torch.equal(pa, pc)
     for pa, pc in zip(model_a.parameters(), model_c.parameters()):
-        for name in ("momentum", "accumulated_grad", "ema_grad"):
-            for la, lc in zip(full.state[pa][name], resumed.state[pc][name]):
-                assert (la is None and lc is None) or torch.equal(la, lc)  # None: not kept
+        for la, lc in zip(full.state[pa].levels, resumed.state[pc].levels):
+            for name in ("momentum", "accumulated_grad", "ema_grad"):
+                assert torch.equal(getattr(la, name), getattr(lc, name)), name
 
 
 def test_checkpoints_load_both_ways_with_the_reference():
@@ -320,7 +318,7 @@ def test_checkpoints_load_both_ways_with_the_reference():
     assert back.global_step == 30
     for p_back, p_ours in zip(back.model.parameters(), model_o.parameters()):
         for level, lvl in enumerate(back.state[p_back].levels):
-            assert torch.equal(lvl.momentum, ours.state[p_ours]["momentum"][level])
+            assert torch.equal(lvl.momentum, ours.state[p_ours].levels[level].momentum)
 
 
 def test_state_keeps_2k_plus_1_buffers_and_checkpoints_keep_the_reference_layout():
@@ -331,10 +329,15 @@ def test_state_keeps_2k_plus_1_buffers_and_checkpoints_keep_the_reference_layout
     (model_r, ref), (model_o, ours) = _pair("cpu", **kw)
     k = len(ours.cms_frequencies)
     numel = sum(p.numel() for p in model_o.parameters())
-    kept = [t for st in ours.state.values()
-            for name in ("momentum", "accumulated_grad", "ema_grad", "v_sq")
-            for t in st[name] if t is not None]
+    kept = [t for name in ("momentum", "accumulated_grad", "ema_grad", "v_sq")
+            for level in ours._cms.buffers[name] for t in level]
     assert sum(t.numel() for t in kept) == (2 * k + 1) * numel
+    # optimizer.state shows the reference's layout; a buffer not kept reads as zeros and
+    # refuses writes
+    lvl = ours.state[next(model_o.parameters())].levels[1]
+    assert not lvl.v_sq.any() and not lvl.ema_grad.any()
+    with pytest.raises(RuntimeError):
+        lvl.v_sq.add_(1.0)
     batches = synthetic_batches("mlp", 25, seed=11)
     for step, batch in enumerate(batches[:15], start=1):
         _one_step(model_o, ours, batch, step, inject=False)

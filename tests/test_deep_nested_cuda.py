@@ -86,9 +86,9 @@ def _assert_momenta_close(model_g, graph, model_e, eager):
     """Every level's CMS momentum by normalized squared error (the backward's last-bit drift
     reaches the momenta through the sign feature)."""
     for (name, p_g), p_e in zip(model_g.named_parameters(), model_e.parameters()):
-        for level, (m_g, m_e) in enumerate(zip(graph.state[p_g]["momentum"],
-                                               eager.state[p_e]["momentum"])):
-            assert_nmse_close(m_g, m_e, f"{name} momentum[{level}]")
+        for level, (l_g, l_e) in enumerate(zip(graph.state[p_g].levels,
+                                               eager.state[p_e].levels)):
+            assert_nmse_close(l_g.momentum, l_e.momentum, f"{name} momentum[{level}]")
 
 
 def test_graph_mode_matches_eager_over_100_steps():

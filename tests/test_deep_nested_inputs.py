@@ -293,3 +293,54 @@ def test_checkpoint_groups_hold_the_rates_used_and_param_groups_can_be_assigned(
     before = [p.detach().clone() for p in model_o.parameters()]
     _step_all(12, (model_o, ours))
     assert not all(torch.equal(a, p) for a, p in zip(before, model_o.parameters()))
+
+
+class WithScalar(torch.nn.Module):
+    """A linear layer and a 0-d parameter (a learnable temperature)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(6, 4)
+        self.temperature = torch.nn.Parameter(torch.tensor(0.7))
+
+
+@pytest.mark.parametrize("kw", MODES[1:], ids=MODE_IDS[1:])
+def test_cms_state_reads_like_the_references_and_0d_parameters_checkpoint(kw):
+    """optimizer.state[p] in CMS mode has the reference's ContinuumMemoryState surface over the
+    live buffers; a model with a 0-d parameter checkpoints (its zero placeholders included) and
+    the checkpoint loads both ways."""
+    torch.manual_seed(0)
+    kw = dict(kw, cms_frequencies=[1, 3, 9])
+    (model_r, ref), (model_o, ours) = reference_and_ours(WithScalar(), **kw)
+    for step in range(1, 8):
+        _step_all(step, (model_r, ref), (model_o, ours))
+    for pr, po in zip(model_r.parameters(), model_o.parameters()):
+        st_r, st_o = ref.state[pr], ours.state[po]
+        assert st_o.frequencies == st_r.frequencies
+        assert len(st_o.levels) == len(st_r.levels)
+        for lr_, lo in zip(st_r.levels, st_o.levels):
+            assert (lo.frequency, lo.step_count, lo.beta2) == (lr_.frequency, lr_.step_count,
+                                                                lr_.beta2)
+            assert lo.ema_decay == pytest.approx(lr_.ema_decay, rel=1e-12)
+            assert lo.momentum.shape == lr_.momentum.shape == po.shape
+            torch.testing.assert_close(lo.momentum, lr_.momentum, rtol=1e-5, atol=1e-7)
+            torch.testing.assert_close(lo.accumulated_grad, lr_.accumulated_grad, rtol=1e-5,
+                                       atol=1e-7)
+        assert [st_o.should_update(lv, t) for lv in range(3) for t in range(1, 10)] == \
+               [st_r.should_update(lv, t) for lv in range(3) for t in range(1, 10)]
+    # live buffers: a write through the view is the optimizer's state
+    po = model_o.temperature
+    ours.state[po].levels[0].momentum.fill_(0.25)
+    ours.state[po].levels[2].step_count = 5
+    assert float(ours._cms.buffers["momentum"][0][ours._cms.index[po]]) == 0.25
+    assert int(ours._cms.step_counts[ours._cms.index[po]][2]) == 5
+    saved = _roundtrip(ours.state_dict())
+    i = ours._cms.index[po]
+    assert saved["cms_state"][i][1]["v_sq"].shape == ()
+    back = ReferenceDeepNestedOptimizer(copy.deepcopy(model_o), **kw)
+    back.load_state_dict(saved)
+    assert float(back.state[back.model.temperature].levels[0].momentum) == 0.25
+    assert back.state[back.model.temperature].levels[2].step_count == 5
+    again = titanmac_c.DeepNestedOptimizer(copy.deepcopy(model_o), **kw)
+    again.load_state_dict(_roundtrip(ref.state_dict()))
+    assert again.global_step == ref.global_step == 7

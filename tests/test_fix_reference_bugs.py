@@ -116,12 +116,11 @@ def _compare(ref, ours, model_ref, model_ours, step):
                                    msg=lambda m: f"step {step} {name}: {m}")
         if not cms:
             continue
-        st = ours.state[po]
-        for level, lvl in enumerate(ref.state[pr].levels):
-            assert_nmse_close(st["momentum"][level], lvl.momentum, f"step {step} {name} m{level}")
-            assert_nmse_close(st["accumulated_grad"][level], lvl.accumulated_grad,
+        for level, (mine, lvl) in enumerate(zip(ours.state[po].levels, ref.state[pr].levels)):
+            assert_nmse_close(mine.momentum, lvl.momentum, f"step {step} {name} m{level}")
+            assert_nmse_close(mine.accumulated_grad, lvl.accumulated_grad,
                               f"step {step} {name} A{level}")
-            assert float(st["step_count"][level]) == lvl.step_count, (step, name, level)
+            assert mine.step_count == lvl.step_count, (step, name, level)
     torch.testing.assert_close(ours.get_lr_multipliers(), ref.get_lr_multipliers(), **MULT_TOL,
                                msg=lambda m: f"step {step} multipliers: {m}")
 
@@ -216,7 +215,7 @@ def test_corrected_run_matches_the_corrected_reference(mode):
         counts = [steps // f for f in FREQS]
         assert counts != [steps // f for f in uncorrected]
         for st in ours.state.values():
-            assert st["step_count"].tolist() == counts
+            assert [lvl.step_count for lvl in st.levels] == counts
 
 
 def test_corrected_direct_network_step_by_step():
@@ -254,7 +253,7 @@ def test_b1_phase1_on_the_cpu_trains_like_the_autograd_path():
         model_b, opt_b = copy.deepcopy((model, opt))
         opt_b._phase1_fused = opt_b._phase1_autograd
         before = (copy.deepcopy(opt.momentum_mlp),
-                  [opt.state[p]["momentum"][0].clone() for p in model.parameters()],
+                  [opt.state[p].levels[0].momentum.clone() for p in model.parameters()],
                   {i: o.clone() for i, o in opt._mlp_output_history.items()})
         results = []
         for m, o in ((model, opt), (model_b, opt_b)):

@@ -20,6 +20,7 @@ import torch
 
 from . import _C
 from ._reference_dno import (
+    CMS_BETA2,
     DIRECT_MLP_MAX_HIDDEN,
     EMA_TARGET_MIN,
     IMPROVEMENT_THRESHOLD,
@@ -58,6 +59,7 @@ class CMSState:
     def __init__(self, params, cms_frequencies, device, consistent=False):
         self.params = list(params)
         self.k = len(cms_frequencies)
+        self.cms_frequencies = list(cms_frequencies)
         self.frequencies = level_frequencies(cms_frequencies, consistent)
         self.ema_decays = [0.99 ** (1.0 / f) for f in self.frequencies]
         self.index = {p: i for i, p in enumerate(self.params)}
@@ -69,15 +71,9 @@ class CMSState:
         self.step_counts = [torch.zeros(self.k, **f32) for _ in self.params]
 
     def public_view(self):
-        """optimizer.state in CMS mode: per parameter its buffers by level (views, not copies);
-        None for a buffer not kept."""
-        view = {}
-        for i, p in enumerate(self.params):
-            entry = {name: [level[i] if level else None for level in self.buffers[name]]
-                     for name in CMS_BUFFERS}
-            entry["step_count"] = self.step_counts[i]
-            view[p] = entry
-        return view
+        """optimizer.state in CMS mode: per parameter a ParamCMSView, read like the reference's
+        ContinuumMemoryState (.frequencies, .levels[l].momentum, ...) over the live buffers."""
+        return {p: ParamCMSView(self, i) for i, p in enumerate(self.params)}
 
     def momenta(self):
         return [m for level in self.buffers["momentum"] for m in level]
@@ -98,7 +94,8 @@ class CMSState:
         out = {}
         for i, p in enumerate(self.params):
             counts = self.step_counts[i].tolist()
-            zeros = torch.zeros(1, dtype=torch.float32, device=p.device).expand(p.shape)
+            # one element of storage, any shape (0-d parameters included)
+            zeros = torch.zeros((), dtype=torch.float32, device=p.device).expand(p.shape)
             out[i] = {level: dict({name: self.buffers[name][level][i]
                                    if self.buffers[name][level] else zeros
                                    for name in CMS_BUFFERS}, step_count=int(counts[level]))
@@ -127,6 +124,61 @@ class CMSState:
                         buf = self.buffers[name][level][i]
                         buf.copy_(value if value is not None else torch.zeros_like(buf))
                 self.step_counts[i][level] = float(saved.get("step_count", 0))
+
+
+class CMSLevelView:
+    """Level l of one tensor's CMS state, with the attributes of the reference's CMSLevel. The
+    buffers are the live ones (writes go into the optimizer's state); a buffer not kept (e_l for
+    l > 0, v_sq) reads as zeros that refuse writes. step_count reads the device (a host sync)."""
+
+    __slots__ = ("_cms", "_i", "_level")
+
+    def __init__(self, cms, i, level):
+        self._cms, self._i, self._level = cms, i, level
+
+    def _buffer(self, name):
+        level = self._cms.buffers[name][self._level]
+        if level:
+            return level[self._i]
+        p = self._cms.params[self._i]
+        return torch.zeros((), dtype=torch.float32, device=p.device).expand(p.shape)
+
+    momentum = property(lambda self: self._buffer("momentum"))
+    accumulated_grad = property(lambda self: self._buffer("accumulated_grad"))
+    ema_grad = property(lambda self: self._buffer("ema_grad"))
+    v_sq = property(lambda self: self._buffer("v_sq"))
+    frequency = property(lambda self: self._cms.frequencies[self._level])
+    ema_decay = property(lambda self: self._cms.ema_decays[self._level])
+    beta2 = property(lambda self: CMS_BETA2)
+
+    @property
+    def step_count(self):
+        return int(self._cms.step_counts[self._i][self._level])
+
+    @step_count.setter
+    def step_count(self, value):
+        self._cms.step_counts[self._i][self._level] = float(value)
+
+
+class ParamCMSView:
+    """optimizer.state[p] in CMS mode: the reference's ContinuumMemoryState surface (frequencies,
+    levels, should_update) over CMSState's buffers of tensor i."""
+
+    __slots__ = ("_cms", "_i", "levels")
+
+    def __init__(self, cms, i):
+        self._cms, self._i = cms, i
+        self.levels = [CMSLevelView(cms, i, level) for level in range(cms.k)]
+
+    @property
+    def frequencies(self):
+        return list(self._cms.cms_frequencies)
+
+    def should_update(self, level, step):
+        return step % self.levels[level].frequency == 0
+
+    def __repr__(self):
+        return f"ParamCMSView(tensor {self._i}, frequencies {self.frequencies})"
 
 
 def surrogate_loss(output, target, prev_output=None):
