@@ -344,3 +344,21 @@ def test_cms_state_reads_like_the_references_and_0d_parameters_checkpoint(kw):
     again = titanmac_c.DeepNestedOptimizer(copy.deepcopy(model_o), **kw)
     again.load_state_dict(_roundtrip(ref.state_dict()))
     assert again.global_step == ref.global_step == 7
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kw", MODES, ids=MODE_IDS)
+def test_step_bumps_the_parameters_version_counters_as_the_reference(device, kw):
+    """The reference's updates are torch in-place ops: a backward through a graph that saved a
+    parameter before the step raises. Ours writes in C and bumps the counters: the same error."""
+    for make in (ReferenceDeepNestedOptimizer, titanmac_c.DeepNestedOptimizer):
+        model = make_mlp_10_32_5(seed=0).to(device)
+        opt = make(model, **kw)
+        x = torch.randn(4, 10, device=device)
+        model(x).sum().backward()
+        saved = model(x).pow(2).sum()
+        before = [p._version for p in model.parameters()]
+        opt.step(0.5)
+        assert all(p._version > b for p, b in zip(model.parameters(), before)), make
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            saved.backward()

@@ -219,3 +219,28 @@ def test_load_pre_hook_adapts_a_foreign_checkpoint_before_the_check():
         assert float(opt.state[p]["step"]) == 1.0
         opt.load_state_dict(foreign()[1])  # the hook is still there
     assert len(calls) == 4
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_in_place_writes_bump_version_counters_like_torch(device):
+    """torch's in-place updates bump the version counter, so a backward through a graph that
+    saved a parameter (or a gradient) before the step raises instead of using the new values.
+    The C core writes through DLPack; the shim bumps the counters: the same error as torch's."""
+    for make in (torch.optim.AdamW, titanmac_c.AdamW):
+        w = torch.nn.Parameter(torch.randn(4, 3, device=device))
+        x = torch.randn(2, 4, device=device, requires_grad=True)
+        opt = make([w], lr=0.1)
+        (x @ w).sum().backward()
+        saved = (x @ w).pow(2).sum()  # saves w for its backward
+        for _ in range(2):  # the full path, then the cached plan's
+            before = w._version
+            opt.step()
+            assert w._version > before, make
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            saved.backward()
+    for clip in (torch.nn.utils.clip_grad_norm_, titanmac_c.clip_grad_norm_):
+        w = torch.nn.Parameter(torch.randn(5, device=device))
+        w.grad = torch.full((5,), 3.0, device=device)
+        before = w.grad._version
+        clip([w], 1.0)
+        assert w.grad._version > before, clip

@@ -33,7 +33,7 @@ from ._reference_dno import (
     _fused_clip_grad_norm_,
     _tensor_stats,
 )
-from ._runtime import exec_kwargs
+from ._runtime import exec_kwargs, mark_written
 
 CMS_BUFFERS = ("momentum", "accumulated_grad", "ema_grad", "v_sq")
 
@@ -351,6 +351,7 @@ class CMSModeMixin:
                 scratch=scratch, **kwargs)
         except (BufferError, ValueError, TypeError) as err:
             self._reraise_named(err, params)
+        mark_written(params)
 
     def _mlp_proxy_loss(self, loss_value, grad_scale):
         """Spec 9.3 in CMS mode (in AdamW mode every target is zero, so it is 0). No gradient

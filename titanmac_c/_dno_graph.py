@@ -12,6 +12,7 @@ import torch
 
 from . import _C
 from . import _profiling as prof
+from ._runtime import mark_written
 
 
 class GraphState:
@@ -82,6 +83,9 @@ class GraphState:
                 self.graphs[key] = graph
                 self.captured = True
             graph.replay()  # capture records without running: replay at once (B8 fixed)
+        # a replay writes what the eager step's calls mark (parameters; gradients zeroed on a
+        # skip in AdamW mode)
+        mark_written(params, self.static_grads if opt._cms is None else ())
         return True
 
     def _captured_step(self, t, update):

@@ -23,6 +23,14 @@ def exec_kwargs(device: torch.device) -> dict:
     return {"num_threads": torch.get_num_threads()}
 
 
+def mark_written(*lists):
+    """Tell autograd that the C core wrote these tensors in place. torch's in-place ops bump a
+    tensor's version counter, so a backward through a graph that saved the old values raises
+    ("modified by an inplace operation") instead of silently using the new ones; writes through
+    DLPack bypass that, so the bump is made here (~40 ns a tensor)."""
+    torch.autograd.graph.increment_version([t for tensors in lists for t in tensors])
+
+
 def dense_order(t):
     """The permutation of t's dimensions under which t is contiguous, when t is dense and
     non-overlapping in another order (transposed, channels_last), else None. The C core reads a
@@ -126,4 +134,4 @@ def check_supported_dtype(name: str, tensor: torch.Tensor) -> None:
         )
 
 
-__all__ = ["exec_kwargs", "norms_scratch", "Scratch", "reraise_with_names", "float_in_range", "_C"]
+__all__ = ["exec_kwargs", "mark_written", "norms_scratch", "Scratch", "reraise_with_names", "float_in_range", "_C"]

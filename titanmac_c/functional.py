@@ -18,7 +18,7 @@ import torch
 
 from . import _C
 from . import _profiling as prof
-from ._runtime import call_dense, exec_kwargs, norms_scratch
+from ._runtime import call_dense, exec_kwargs, mark_written, norms_scratch
 
 GroupNorms = namedtuple("GroupNorms", "grad param total_grad total_param nonfinite")
 GroupNorms.__doc__ = """Per-group and global norms from one fused pass.
@@ -137,6 +137,7 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
                 _C.clip_coef(total.reshape(1).to(device), max_norm, coef,
                              stream=kwargs.get("stream"))
             call_dense(_C.scale_, device_grads, coef, **kwargs)
+            mark_written(device_grads)
     dtype = _result_dtype(grads)
     return total if dtype == torch.float32 else total.to(dtype)
 

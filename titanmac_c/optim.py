@@ -22,6 +22,7 @@ from ._runtime import (
     check_supported_dtype,
     exec_kwargs,
     float_in_range,
+    mark_written,
     norms_scratch,
     reraise_with_names,
 )
@@ -424,3 +425,6 @@ class AdamW(Optimizer):
         except (ValueError, TypeError, BufferError) as exc:
             group_names = [f"param_groups[{i}]" for i in range(len(groups))]
             reraise_with_names(exc, batch.names, group_names)
+        # the tensors autograd may hold: parameters, and gradients when a skip may zero them
+        # (the state's versions are left alone: no graph saves optimizer state)
+        mark_written(batch.params, batch.grads if zero_grads_on_skip else ())
