@@ -1,6 +1,7 @@
 """Bad input: each case raises an exception that names the tensor and the problem, and leaves
 parameters and optimizer state bitwise unchanged."""
 
+import copy
 import math
 
 import numpy as np
@@ -218,7 +219,7 @@ def test_mixed_amsgrad_groups_precheck_keeps_everything():
 @pytest.mark.parametrize("spoil, exc, match", [
     # torch.optim.AdamW takes a column-major gradient; the C core needs contiguous tensors
     (lambda p: setattr(p, "grad", torch.randn(3, 4).t()), BufferError, "not contiguous"),
-    (lambda p: setattr(p, "grad", p.detach()), ValueError, "shares memory"),
+    (lambda p: setattr(p, "grad", p.detach()), ValueError, "share memory"),
 ])
 def test_mixed_amsgrad_groups_precheck_covers_what_the_c_core_refuses(spoil, exc, match):
     """What the C core refuses in the second call (a non-contiguous gradient, a gradient that is
@@ -234,3 +235,46 @@ def test_mixed_amsgrad_groups_precheck_covers_what_the_c_core_refuses(spoil, exc
             opt.step()
         spoil(b[1])
         expect_refused(opt, a + b, exc, rf"param_groups\[1\]\['params'\]\[1\]: .*{match}")
+
+
+def _alias(key, other):
+    def spoil(opt, p):
+        opt.state[p][key] = opt.state[p][other] if other != "grad" else p.grad
+    return spoil
+
+
+@pytest.mark.parametrize("spoil, exc, match", [
+    (_alias("exp_avg_sq", "exp_avg"), ValueError, "must not share memory"),
+    (_alias("max_exp_avg_sq", "exp_avg_sq"), ValueError, "must not share memory"),
+    (_alias("exp_avg", "grad"), ValueError, "must not share memory"),
+    (lambda opt, p: opt.state[p].__setitem__("step", 3), ValueError, "step must be a float32"),
+])
+def test_mixed_amsgrad_groups_precheck_covers_corrupted_state(spoil, exc, match):
+    """State tensors that alias each other or the gradient, or a step that is a Python number,
+    in the second call's group: refused before the first call writes."""
+    a = [torch.nn.Parameter(torch.randn(4, 3)) for _ in range(2)]
+    b = [torch.nn.Parameter(torch.randn(4, 3)) for _ in range(2)]
+    opt = titanmac_c.AdamW([{"params": a}, {"params": b, "amsgrad": True}], lr=0.1)
+    for p in a + b:
+        p.grad = torch.randn(4, 3)
+    opt.step()
+    spoil(opt, b[1])
+    expect_refused(opt, a + b, exc, rf"param_groups\[1\]\['params'\]\[1\]: .*{match}")
+
+
+def test_float64_parameter_with_state_from_torch_is_refused_before_any_write():
+    """torch.optim.AdamW trains float64; its checkpoint loads into ours, whose first step then
+    refuses the float64 parameter (TypeError, as with fresh state) before the other group's call
+    writes anything."""
+    a = torch.nn.Parameter(torch.randn(4))
+    b = torch.nn.Parameter(torch.randn(4, dtype=torch.float64))
+    groups = [{"params": [a]}, {"params": [b], "amsgrad": True}]
+    theirs = torch.optim.AdamW(copy.deepcopy(groups), lr=0.1)
+    for p in theirs.param_groups[0]["params"] + theirs.param_groups[1]["params"]:
+        p.grad = torch.ones_like(p)
+    theirs.step()
+    opt = titanmac_c.AdamW(groups, lr=0.1)
+    opt.load_state_dict(theirs.state_dict())
+    a.grad, b.grad = torch.ones(4), torch.ones(4, dtype=torch.float64)
+    expect_refused(opt, [a, b], TypeError,
+                   r"param_groups\[1\]\['params'\]\[0\]: dtype float64 is not supported")

@@ -222,7 +222,7 @@ def test_public_surface():
     (dict(weight_decay=-1.0), "weight_decay"),
     (dict(controller_update_freq=0), "controller_update_freq"),
     (dict(meta_update_freq=0), "meta_update_freq"),
-    (dict(cms_frequencies=[1, 0]), "cms_frequencies"),
+    (dict(cms_frequencies=[1, 0], use_cms_updates=True), "cms_frequencies"),  # periods 1, 0
     (dict(controller_hidden_dim=0), "controller_hidden_dim"),
 ])
 def test_constructor_rejects_bad_values(kw, match):

@@ -190,9 +190,14 @@ def test_numpy_integer_hyperparameters_act_as_ints():
     (dict(cms_frequencies=np.array([[1, 10]])), ValueError, "cms_frequencies"),
     (dict(cms_frequencies=[1, True]), ValueError, "cms_frequencies"),
     (dict(cms_frequencies=5), ValueError, "cms_frequencies"),
-    (dict(momentum_hidden_dim=np.float32(16)), ValueError, "momentum_hidden_dim"),
+    (dict(cms_frequencies=[1, 2.5]), ValueError, "cms_frequencies"),
+    (dict(cms_frequencies=[1, 0, 5]), ValueError, r"level periods \[1, 0, 0\]"),
+    (dict(momentum_hidden_dim=np.float32(16.5)), ValueError, "momentum_hidden_dim"),
+    (dict(meta_update_freq=math.inf), ValueError, "meta_update_freq"),
+    (dict(max_grad_norm=math.nan), ValueError, "max_grad_norm = nan"),
     # DirectUpdateMLP's initialisation needs width 2 (the reference: IndexError); legacy: 1 is ok
-    (dict(momentum_hidden_dim=1), ValueError, "momentum_hidden_dim = 1: must be an int >= 2"),
+    (dict(momentum_hidden_dim=1), ValueError,
+     "momentum_hidden_dim = 1: must be a whole number >= 2"),
 ])
 def test_constructor_refuses(kw, err, match):
     with pytest.raises(err, match=match):
@@ -362,3 +367,54 @@ def test_step_bumps_the_parameters_version_counters_as_the_reference(device, kw)
         assert all(p._version > b for p, b in zip(model.parameters(), before)), make
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             saved.backward()
+
+
+def test_whole_number_hyperparameters_of_any_type_act_as_ints():
+    """Configs read from JSON or argparse give 100.0 where the reference's arithmetic takes any
+    number: whole floats, 1-element tensors and numpy values are ints here, with the same
+    results; values only some mode reads are checked only there (cms_frequencies in AdamW mode,
+    meta_update_freq in explicit mode, k_unroll, cuda_graph_warmup_steps without a graph)."""
+    as_ints = dict(cms_frequencies=[1, 5, 50], momentum_hidden_dim=16, meta_update_freq=7,
+                   controller_update_freq=2, k_unroll=3, cuda_graph_warmup_steps=3)
+    as_floats = dict(cms_frequencies=torch.tensor([1, 5, 50]), momentum_hidden_dim=16.0,
+                     meta_update_freq=np.float64(7.0), controller_update_freq=torch.tensor(2.0),
+                     k_unroll=3.0, cuda_graph_warmup_steps=3.0)
+    model_a = make_mlp_10_32_5(seed=0)
+    model_b = copy.deepcopy(model_a)
+    a = titanmac_c.DeepNestedOptimizer(model_a, use_cms_updates=True, **as_ints)
+    b = titanmac_c.DeepNestedOptimizer(model_b, use_cms_updates=True, **as_floats)
+    for key in as_ints:
+        assert getattr(b, key) == as_ints[key] and type(getattr(b, key)) is type(as_ints[key])
+    b.controller.load_state_dict(a.controller.state_dict())
+    b.momentum_mlp.load_state_dict(a.momentum_mlp.state_dict())
+    for step in range(1, 16):
+        _step_all(step, (model_a, a), (model_b, b))
+    for pa, pb in zip(model_a.parameters(), model_b.parameters()):
+        assert torch.equal(pa, pb)
+    # what the reference accepts because it never reads it in that mode
+    for kw in (dict(cms_frequencies=[]), dict(cms_frequencies=[0]), dict(k_unroll=0),
+               dict(mode="explicit", meta_update_freq=0), dict(cuda_graph_warmup_steps=0)):
+        ReferenceDeepNestedOptimizer(make_mlp_10_32_5(seed=0), **kw)
+        titanmac_c.DeepNestedOptimizer(make_mlp_10_32_5(seed=0), **kw)
+    # cms_frequencies[0] only divides level 0's sum (B7): 0 is the reference's 1
+    for freqs in ([0, 10, 100], [1, 10, 100]):
+        (model_r, ref), (model_o, ours) = reference_and_ours(
+            make_mlp_10_32_5(seed=0), use_cms_updates=True, use_preprocessing=False,
+            cms_frequencies=freqs)
+        for step in range(1, 12):
+            _step_all(step, (model_r, ref), (model_o, ours))
+        for pr, po in zip(model_r.parameters(), model_o.parameters()):
+            torch.testing.assert_close(po.detach(), pr.detach(), rtol=2e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("kw", MODES, ids=MODE_IDS)
+def test_max_grad_norm_inf_clips_with_coefficient_one_as_the_reference(kw):
+    """max_grad_norm=inf: the reference's clip_grad_norm_(params, inf) scales by 1 (the norm and
+    its NaN guard still count); ours the same."""
+    (model_r, ref), (model_o, ours) = reference_and_ours(make_mlp_10_32_5(seed=0),
+                                                         max_grad_norm=math.inf, **kw)
+    for step in range(1, 9):
+        _step_all(step, (model_r, ref), (model_o, ours))
+        for pr, po in zip(model_r.parameters(), model_o.parameters()):
+            torch.testing.assert_close(po.detach(), pr.detach(), rtol=2e-5, atol=1e-7)
+    assert float(ours._coef) == 1.0

@@ -102,8 +102,8 @@ def _ema_beta(args, kw, dev):
 
 
 def _max_norm(args, kw, dev):
-    kw["max_grad_norm"] = math.inf
-    return "max_grad_norm = inf: must be finite \\(<= 0 turns clipping off\\)"
+    kw["max_grad_norm"] = math.nan
+    return "max_grad_norm = nan: must be a number \\(<= 0 turns clipping off\\)"
 
 
 def _alias(args, kw, dev):

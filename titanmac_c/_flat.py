@@ -64,11 +64,13 @@ class Batch:
                 if t.layout != torch.strided or not t.is_contiguous():
                     raise BufferError(f"{name}: state or gradient not contiguous "
                                       f"(strides {t.stride()})")
-                if p.numel() and t.data_ptr() == p.data_ptr():
-                    raise ValueError(f"{name}: state or gradient shares memory with the "
-                                     "parameter")
+            # every tensor of the entry is written or read while others are written: distinct
+            if p.numel() and len({t.data_ptr() for t in tensors + [p]}) != len(tensors) + 1:
+                raise ValueError(f"{name}: the parameter, its gradient and its state tensors "
+                                 "must not share memory")
             step = self.steps[i]
-            if step.dtype != torch.float32 or step.numel() != 1 or step.device != p.device:
+            if (not isinstance(step, torch.Tensor) or step.dtype != torch.float32
+                    or step.numel() != 1 or step.device != p.device):
                 raise ValueError(f"{name}: step must be a float32 scalar on {p.device}")
 
 

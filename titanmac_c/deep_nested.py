@@ -62,29 +62,53 @@ from ._reference_dno import (
     infer_param_depth,
 )
 from ._dno_graph import GraphState
-from ._cms import CMSModeMixin, CMSState, init_output_on_sign
+from ._cms import CMSModeMixin, CMSState, init_output_on_sign, level_frequencies
 from ._dno_control import ControlStepMixin
 from ._runtime import SUPPORTED_DTYPES, Scratch
 from .optim import AdamW
 
 
+def _as_int(value):
+    """value as an int when it is a whole number (int, numpy integer, 100.0 from a JSON or
+    argparse config, a 1-element tensor), else None; bools are not numbers here."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_floating_point() and not value.isfinite().all():
+            return None
+        value = value.item()
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real) and math.isfinite(value) and float(value).is_integer():
+        return int(value)
+    return None
+
+
 def _check_int(name, value, low):
-    """An int >= low; numpy and other integral types are accepted (and converted), bools not."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
-        raise ValueError(f"{name} = {value!r}: must be an int >= {low}")
-    return int(value)
+    """An int >= low; any whole number is accepted (the reference uses these in arithmetic)."""
+    as_int = _as_int(value)
+    if as_int is None or as_int < low:
+        raise ValueError(f"{name} = {value!r}: must be a whole number >= {low}")
+    return as_int
 
 
-def _check_frequencies(cms_frequencies):
-    """A non-empty sequence of ints >= 1 (a list, tuple or numpy array), as a list of ints."""
+def _check_frequencies(cms_frequencies, consistent):
+    """CMS mode: a non-empty sequence of whole numbers (a list, tuple, numpy array or tensor),
+    as a list of ints, whose levels fire at periods >= 1: level l every
+    cms_frequencies[1] ** l steps (B7; cms_frequencies[0] only divides level 0's sum, and may be
+    0 as in the reference), or every cms_frequencies[l] steps with consistent (B7 corrected)."""
     try:
-        freqs = list(cms_frequencies)
+        freqs = [_as_int(f) for f in cms_frequencies]
     except TypeError:
         freqs = []
-    if not freqs or not all(isinstance(f, numbers.Integral) and not isinstance(f, bool)
-                            and f >= 1 for f in freqs):
-        raise ValueError(f"cms_frequencies = {cms_frequencies!r}: a non-empty list of ints >= 1")
-    return [int(f) for f in freqs]
+    if not freqs or any(f is None or f < 0 for f in freqs):
+        raise ValueError(f"cms_frequencies = {cms_frequencies!r}: a non-empty list of whole "
+                         "numbers >= 0")
+    periods = level_frequencies(freqs, consistent)
+    if min(periods) < 1:
+        raise ValueError(f"cms_frequencies = {cms_frequencies!r}: level periods {periods}; each "
+                         "must be >= 1")
+    return freqs
 
 
 def _check_float(name, value, low=0.0):
@@ -140,8 +164,10 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin):
         self.model = model
         self.base_lr = _check_float("base_lr", base_lr)
         self.meta_lr = _check_float("meta_lr", meta_lr)
-        self.k_unroll = _check_int("k_unroll", k_unroll, 1)
-        self.cms_frequencies = _check_frequencies(cms_frequencies)
+        self.k_unroll = _check_int("k_unroll", k_unroll, 0)  # read only by meta_update()
+        # read only in CMS mode (in AdamW mode kept as given, as the reference keeps it)
+        self.cms_frequencies = (_check_frequencies(cms_frequencies, fix_reference_bugs)
+                                if use_cms_updates else cms_frequencies)
         # Off: the reference's learning behaviour, bugs included, so results reproduce. On: B1
         # (Phase 1 trains on the current gradient), B4 (DirectUpdateMLP starts at 0.1 * sign_g),
         # B6 (controller inputs log1p(norm) / 10), B7 (level l fires every cms_frequencies[l]).
@@ -155,9 +181,13 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin):
         self.controller_num_layers = _check_int("controller_num_layers", controller_num_layers, 1)
         self.use_gradient_checkpointing = bool(use_gradient_checkpointing)
         self.mode = mode
-        self.meta_update_freq = _check_int("meta_update_freq", meta_update_freq, 1)
+        # simple mode divides by it; explicit mode only sizes the meta trainer's window
+        self.meta_update_freq = _check_int("meta_update_freq", meta_update_freq,
+                                           1 if mode == "simple" else 0)
         self.weight_decay = _check_float("weight_decay", weight_decay)
-        self.max_grad_norm = _check_float("max_grad_norm", max_grad_norm, -math.inf)
+        self.max_grad_norm = float(max_grad_norm)  # <= 0: no clipping; inf: coefficient 1
+        if math.isnan(self.max_grad_norm):
+            raise ValueError("max_grad_norm = nan: must be a number (<= 0 turns clipping off)")
         self.low_memory = bool(low_memory)
         self.use_cms_updates = bool(use_cms_updates)
         self.use_preprocessing = bool(use_preprocessing)
@@ -166,7 +196,7 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin):
         self.controller_update_freq = _check_int("controller_update_freq",
                                                  controller_update_freq, 1)
         self.cuda_graph_warmup_steps = _check_int("cuda_graph_warmup_steps",
-                                                  cuda_graph_warmup_steps, 1)
+                                                  cuda_graph_warmup_steps, 0)
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("model has no parameters that require gradients")

@@ -42,9 +42,10 @@ def _check_norm_type(norm_type) -> float:
 
 
 def _check_max_norm(max_norm) -> float:
+    """>= 0; inf is torch's idiom for measuring without clipping (the coefficient is then 1)."""
     max_norm = float(max_norm)
-    if not (math.isfinite(max_norm) and max_norm >= 0.0):
-        raise ValueError(f"max_norm = {max_norm}: must be finite and >= 0")
+    if not max_norm >= 0.0:
+        raise ValueError(f"max_norm = {max_norm}: must be >= 0 (inf: no clipping)")
     return max_norm
 
 

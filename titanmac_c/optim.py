@@ -327,6 +327,7 @@ class AdamW(Optimizer):
                 name = f"param_groups[{gi}]['params'][{pi}]"
                 if grad.is_sparse:
                     raise RuntimeError(f"{name}: AdamW does not support sparse gradients")
+                check_supported_dtype(name, p)  # also with state loaded from elsewhere
                 state = self.state.get(p)
                 if not state:
                     state = new_state.get(p)
@@ -372,7 +373,6 @@ class AdamW(Optimizer):
 
     @staticmethod
     def _init_state(name, p, amsgrad):
-        check_supported_dtype(name, p)
         state = {
             "step": torch.zeros((), dtype=torch.float32, device=p.device),
             "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),

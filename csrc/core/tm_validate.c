@@ -84,8 +84,10 @@ tm_validate_norms(const tm_tensor_list *grads, const tm_tensor_list *params,
              (int)args->num_groups);
     TM_TRY(check_group_of(args->group_of, g->count, args->num_groups));
     TM_TRY(check_norms_outputs(roles, args->num_groups, params != NULL && p->count == g->count));
-    TM_CHECK(!tm_tensor_given(&out->coef) || (isfinite(args->max_norm) && args->max_norm >= 0.0),
-             TM_ERR_VALUE, "max_norm = %g: must be finite and >= 0", args->max_norm);
+    /* inf is torch's "measure, do not clip" idiom: the coefficient is then 1 (NaN on an
+     * infinite norm, as torch's) */
+    TM_CHECK(!tm_tensor_given(&out->coef) || args->max_norm >= 0.0, TM_ERR_VALUE,
+             "max_norm = %g: must be >= 0 (inf: no clipping)", args->max_norm);
     return tm_check_scratch(exec, tm_norms_scratch_bytes(grads, params));
 }
 
@@ -103,8 +105,8 @@ tm_validate_clip(const tm_tensor *total_norm, double max_norm, const tm_tensor *
         tm_lone_role(coef, "coef", TM_ROLE_WRITTEN),
     };
     TM_TRY(tm_roles_check(roles, 2, ref));
-    TM_CHECK(isfinite(max_norm) && max_norm >= 0.0, TM_ERR_VALUE,
-             "max_norm = %g: must be finite and >= 0", max_norm);
+    TM_CHECK(max_norm >= 0.0, TM_ERR_VALUE, "max_norm = %g: must be >= 0 (inf: no clipping)",
+             max_norm);
     TM_TRY(tm_check_f32_numel(total_norm, "total_norm", TM_NO_INDEX, 1));
     TM_TRY(tm_check_f32_numel(coef, "coef", TM_NO_INDEX, 1));
     return tm_check_scratch(exec, 0);

@@ -87,8 +87,8 @@ check_dno_hparams(const tm_dno_control_args *a)
 {
     TM_CHECK(isfinite(a->base_lr) && a->base_lr >= 0.0, TM_ERR_VALUE,
              "base_lr = %g: must be finite and >= 0", a->base_lr);
-    TM_CHECK(isfinite(a->max_grad_norm), TM_ERR_VALUE,
-             "max_grad_norm = %g: must be finite (<= 0 turns clipping off)", a->max_grad_norm);
+    TM_CHECK(!isnan(a->max_grad_norm), TM_ERR_VALUE,
+             "max_grad_norm = %g: must be a number (<= 0 turns clipping off)", a->max_grad_norm);
     TM_CHECK(a->ema_beta >= 0.0 && a->ema_beta <= 1.0, TM_ERR_VALUE,
              "ema_beta = %g: must be in [0, 1]", a->ema_beta);
     TM_CHECK(isfinite(a->mu_min) && isfinite(a->mu_max) && a->mu_min < a->mu_max, TM_ERR_VALUE,
