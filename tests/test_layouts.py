@@ -1,8 +1,9 @@
 """Tensors that are dense but not contiguous (channels_last conv weights, transposed matrices):
 AdamW, clip_grad_norm_ and get_total_norm take them through their contiguous permuted views
-(_runtime.dense_views), element by element against torch over several steps. A gradient whose
-layout differs from its parameter's, and tensors that are not dense (strided slices), are refused
-with BufferError naming the tensor, and nothing changes.
+(_runtime.dense_views), element by element against torch over several steps. A gradient or state
+in another layout than its parameter's (any strides) is taken in the parameter's layout
+(_flat.in_layout_of): gradients as a copy, state for good. Parameters that are not dense
+(strided slices) are refused with BufferError naming the tensor, and nothing changes.
 """
 
 import copy
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 import titanmac_c
-from conftest import DEVICES, expect_refused, tol
+from conftest import DEVICES, tol
 
 
 def _conv_model(device, dtype=torch.float32):
@@ -83,20 +84,76 @@ def test_adamw_on_a_transposed_parameter_matches_torch(device):
         torch.testing.assert_close(ours, ref, **tol(torch.float32, device))
 
 
-@pytest.mark.parametrize("groups", ["one", "mixed-amsgrad"])
-def test_a_gradient_in_another_layout_is_refused_and_changes_nothing(groups):
-    model = _conv_model("cpu")
-    params = list(model.parameters())
+def _groups(params, groups):
     if groups == "one":
-        opt = titanmac_c.AdamW(params, lr=1e-2)
-    else:  # two C calls: the precheck must stop the first one
-        opt = titanmac_c.AdamW([{"params": params[2:]}, {"params": params[:2], "amsgrad": True}],
-                               lr=1e-2)
-    _backward(model, 1)
-    opt.step()
-    _backward(model, 2)
-    model[0].weight.grad = model[0].weight.grad.contiguous()  # NCHW against a channels_last weight
-    expect_refused(opt, params, BufferError, r"not contiguous")
+        return params
+    # two C calls (amsgrad differs): the full path's collection runs for both
+    return [{"params": params[2:]}, {"params": params[:2], "amsgrad": True}]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("groups", ["one", "mixed-amsgrad"])
+def test_gradients_in_another_layout_than_the_parameter_match_torch(device, groups):
+    """A gradient assigned in another layout (NCHW against a channels_last weight, a column-major
+    matrix against a row-major one, a strided slice): torch's ops pair elements by index, and so
+    do we (the gradient copied into the parameter's layout for the step; .grad left as given)."""
+    ref = _conv_model(device)
+    ours = copy.deepcopy(ref)
+    opt_ref = torch.optim.AdamW(_groups(list(ref.parameters()), groups), lr=1e-2)
+    opt = titanmac_c.AdamW(_groups(list(ours.parameters()), groups), lr=1e-2)
+    for step in range(1, 7):
+        for model in (ref, ours):
+            _backward(model, step)
+            if step % 2 == 0:
+                model[0].weight.grad = model[0].weight.grad.contiguous()  # NCHW
+                g = model[4].weight.grad
+                model[4].weight.grad = g.t().contiguous().t()  # column-major
+                model[4].bias.grad = torch.stack([g[:, 0], g[:, 1]], dim=1)[:, 0]  # stride 2
+        given = [p.grad for p in ours.parameters()]
+        values = [g.clone() for g in given]
+        opt_ref.step()
+        opt.step()
+        for p, g, v in zip(ours.parameters(), given, values):
+            assert p.grad is g and torch.equal(g, v)  # the gradients as they were
+        for (name, pr), po in zip(ref.named_parameters(), ours.parameters()):
+            assert po.stride() == pr.stride(), name
+            torch.testing.assert_close(po, pr, **tol(torch.float32, device),
+                                       msg=lambda m: f"step {step} {name}: {m}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("saved_as, resumed_as", [("contiguous", "channels_last"),
+                                                  ("channels_last", "contiguous")])
+def test_checkpoint_resumes_in_another_memory_format_like_torch(device, saved_as, resumed_as):
+    """A checkpoint written by a run in one memory format loads into a model in the other (its
+    state tensors keep the saved strides, as torch's load_state_dict leaves them); the next steps
+    match torch's, and our state is then in the parameter's layout."""
+    fmt = {"contiguous": torch.contiguous_format, "channels_last": torch.channels_last}
+    first = _conv_model(device).to(memory_format=fmt[saved_as])
+    opt_first = torch.optim.AdamW(first.parameters(), lr=1e-2)
+    for step in range(1, 4):
+        _backward(first, step)
+        opt_first.step()
+    saved = copy.deepcopy(opt_first.state_dict())
+    ref = copy.deepcopy(first).to(memory_format=fmt[resumed_as])
+    ours = copy.deepcopy(ref)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = titanmac_c.AdamW(ours.parameters(), lr=1e-2)
+    opt_ref.load_state_dict(copy.deepcopy(saved))
+    opt.load_state_dict(copy.deepcopy(saved))
+    assert ours[0].weight.stride() != saved["state"][0]["exp_avg"].stride()  # the case
+    for step in range(4, 9):
+        _backward(ref, step)
+        _backward(ours, step)
+        opt_ref.step()
+        opt.step()
+        for (name, pr), po in zip(ref.named_parameters(), ours.parameters()):
+            torch.testing.assert_close(po, pr, **tol(torch.float32, device),
+                                       msg=lambda m: f"step {step} {name}: {m}")
+            for key in ("exp_avg", "exp_avg_sq"):
+                torch.testing.assert_close(opt.state[po][key], opt_ref.state[pr][key],
+                                           **tol(torch.float32, device))
+                assert opt.state[po][key].stride() == po.stride()
 
 
 def test_a_parameter_that_is_not_dense_is_refused():

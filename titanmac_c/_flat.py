@@ -13,6 +13,27 @@ _EXP_AVG, _EXP_AVG_SQ, _MAX_EXP_AVG_SQ, _STEP = (
     operator.itemgetter(k) for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step"))
 
 
+def in_layout_of(t, p):
+    """t (a gradient or state tensor of parameter p), or a copy of it in p's memory layout when
+    the two differ (a checkpoint saved from a channels_last model loaded into a contiguous one,
+    a gradient assigned in another layout): the C core pairs elements by their place in memory,
+    where torch's ops pair them by index. t is returned as it is when p has no dense layout or
+    the two differ in more than layout (the C core then names the problem)."""
+    if (not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.shape != p.shape
+            or t.device != p.device):
+        return t
+    if p.is_contiguous():
+        if t.is_contiguous():
+            return t
+    else:
+        order = dense_order(p)
+        if order is None or t.permute(order).is_contiguous():
+            return t
+    out = torch.empty_like(p, dtype=t.dtype)  # preserve_format: p's strides
+    out.copy_(t)
+    return out
+
+
 class Batch:
     """The flat lists of one C call: the tensors of every group on one device with one amsgrad."""
 
@@ -27,10 +48,8 @@ class Batch:
     def permute_dense(self):
         """A parameter that is dense in another order (channels_last, transposed) goes to the C
         core as its contiguous permuted view, and so do its gradient and state under the same
-        permutation: element i of each is then the same element, as long as they share the
-        parameter's strides (torch's state is created with preserve_format, and autograd gives
-        gradients the parameter's layout); otherwise the C core refuses the non-contiguous view
-        and names it. A Plan keeps parameters to read their .grad, so such a batch gets none."""
+        permutation: element i of each is then the same element (in_layout_of gave them the
+        parameter's layout). A Plan re-reads .grad, so such a batch gets none."""
         for i, p in enumerate(self.params):
             if p.is_contiguous():
                 continue

@@ -11,7 +11,6 @@ Differences from torch (also listed in the README):
   _runtime.dense_views); others (e.g. strided slices) raise BufferError, where torch copes.
 """
 
-import math
 from collections import namedtuple
 
 import torch

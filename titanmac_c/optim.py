@@ -15,7 +15,7 @@ from torch.optim import Optimizer
 
 from . import _C
 from . import _profiling as prof
-from ._flat import Batch, Plan
+from ._flat import Batch, Plan, in_layout_of
 from ._runtime import (
     Scratch,
     call_dense,
@@ -338,6 +338,14 @@ class AdamW(Optimizer):
                 batch = batches.get(key)
                 if batch is None:
                     batch = batches[key] = Batch(*key)
+                # gradient and state in the parameter's layout: the state for good (the same
+                # values), the gradient as a copy for this step (the Plan re-reads .grad: none)
+                for k in _STATE_KEYS:
+                    if k in state:
+                        state[k] = in_layout_of(state[k], p)
+                laid_out = in_layout_of(grad, p)
+                batch.permuted |= laid_out is not grad
+                grad = laid_out
                 batch.group_of.append(gi)
                 batch.params.append(p)
                 batch.grads.append(grad)
