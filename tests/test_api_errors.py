@@ -175,6 +175,7 @@ def test_group_index_out_of_range():
     (dict(eps=-1e-8), "Invalid epsilon"),
     (dict(betas=(1.0, 0.999)), "Invalid beta parameter at index 0"),
     (dict(betas=(0.9, math.nan)), "Invalid beta parameter at index 1"),
+    (dict(betas=(0.9, 0.99, 0.5)), "betas: expected 2 values"),  # torch: at the first step
     (dict(weight_decay=-0.1), "Invalid weight_decay"),
     (dict(differentiable=True), "differentiable"),
 ])
@@ -187,7 +188,7 @@ def test_constructor_rejects_like_torch(kw, match):
     ("lr", math.nan, r"param_groups\[1\]\['lr'\] = nan"),
     ("lr", -0.5, r"param_groups\[1\]\['lr'\] = -0.5"),
     ("betas", (0.9, math.nan), r"param_groups\[1\]\['betas'\]\[1\] = nan"),
-    ("eps", math.inf, r"param_groups\[1\]\['eps'\] = inf"),
+    ("eps", math.inf, r"param_groups\[1\]\['eps'\] = inf: must be finite and >= 0"),
     ("weight_decay", -1.0, r"param_groups\[1\]\['weight_decay'\] = -1.0"),
 ])
 def test_hyperparameters_changed_after_construction(key, value, match):

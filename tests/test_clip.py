@@ -186,3 +186,21 @@ def test_clip_method_with_a_precomputed_norm():
         ours_b.step()
     for a, b in zip(params_a, params_b):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_clip_method_returns_the_norm_in_the_gradients_dtype_like_torch(dtype):
+    """torch returns the norm in the gradients' dtype (summed in that dtype: for float16 it
+    overflows here, so the value is compared with the float32 norm rounded to the dtype)."""
+    params_a = make_params(SIZES, "cpu", dtype=dtype)
+    params_b = clone_params(params_a)
+    ours = titanmac_c.AdamW(params_a, lr=1e-3)
+    for step in range(3):
+        set_grads(params_a, params_b, step, scale=0.05)
+        norm_a = ours.clip_grad_norm_(1.0)
+        norm_b = torch.nn.utils.clip_grad_norm_(params_b, 1.0)
+        assert norm_a.dtype == norm_b.dtype == dtype and norm_a.shape == norm_b.shape == ()
+        exact = torch.linalg.vector_norm(torch.cat([p.grad.float().reshape(-1)
+                                                    for p in params_a]))
+        assert norm_a == exact.to(dtype)
+        ours.step()

@@ -121,6 +121,8 @@ def float_in_range(name: str, value, low: float, high: float, high_open: bool = 
     value = float(value)
     ok = math.isfinite(value) and low <= value and (value < high if high_open else value <= high)
     if not ok:
+        if math.isinf(high):
+            raise ValueError(f"{name} = {value}: must be finite and >= {low}")
         bracket = ")" if high_open else "]"
         raise ValueError(f"{name} = {value}: must be in [{low}, {high}{bracket}")
     return value

@@ -71,6 +71,8 @@ class AdamW(Optimizer):
             raise ValueError(f"Invalid learning rate: {lr}")
         if not 0.0 <= eps:
             raise ValueError(f"Invalid epsilon value: {eps}")
+        if len(betas) != 2:
+            raise ValueError(f"betas: expected 2 values, got {len(betas)}")
         betas = (_scalar("betas[0]", betas[0]), _scalar("betas[1]", betas[1]))
         if not 0.0 <= betas[0] < 1.0:
             raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
@@ -207,7 +209,8 @@ class AdamW(Optimizer):
         then no pass over the gradients is made here. The gradients themselves are not
         modified. zero_grad() forgets a pending coefficient.
         """
-        from .functional import _NONFINITE_MESSAGE, _check_max_norm, _check_norm_type
+        from .functional import (_NONFINITE_MESSAGE, _check_max_norm, _check_norm_type,
+                                 _result_dtype)
 
         max_norm = _check_max_norm(max_norm)
         norm_type = _check_norm_type(norm_type)
@@ -240,7 +243,10 @@ class AdamW(Optimizer):
         if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
             raise RuntimeError(_NONFINITE_MESSAGE.format(norm_type))
         self._clip_coef = {device: buf[1:2]}
-        return total[0]
+        # in the gradients' dtype, as torch's clip_grad_norm_ returns it (the coefficient comes
+        # from the float32 norm)
+        dtype = _result_dtype(grads) if total_norm is None else total_norm.dtype
+        return total[0] if dtype == torch.float32 else total[0].to(dtype)
 
     @torch.no_grad()
     def step(self, closure=None):
