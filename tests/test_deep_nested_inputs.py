@@ -16,7 +16,7 @@ import torch
 import titanmac_c
 from titanmac_c._reference_dno import ReferenceDeepNestedOptimizer
 from conftest import DEVICES, reference_and_ours
-from dno_models import make_mlp_10_32_5
+from dno_models import loss_fn, make_mlp_10_32_5, synthetic_batches
 
 MODES = [dict(), dict(use_cms_updates=True), dict(use_cms_updates=True, use_preprocessing=False)]
 MODE_IDS = ["adamw", "cms-direct", "cms-legacy"]
@@ -418,3 +418,61 @@ def test_max_grad_norm_inf_clips_with_coefficient_one_as_the_reference(kw):
         for pr, po in zip(model_r.parameters(), model_o.parameters()):
             torch.testing.assert_close(po.detach(), pr.detach(), rtol=2e-5, atol=1e-7)
     assert float(ours._coef) == 1.0
+
+
+@pytest.mark.parametrize("kw", MODES[::2], ids=MODE_IDS[::2])
+def test_direct_meta_update_after_step_sees_the_clipped_gradients(kw):
+    """Spec 12: some callers call _update_meta_components(loss) right after step(). The
+    reference's gradients are clipped in place by then; ours are scaled only as the update
+    loads them, so the direct call applies the step's coefficient, and only while the
+    gradients are still the step's (after a new backward, both see unclipped ones)."""
+    kw = dict(kw, mode="explicit", max_grad_norm=0.05, meta_lr=1e-2)
+    (model_r, ref), (model_o, ours) = reference_and_ours(make_mlp_10_32_5(seed=0), **kw)
+    batches = synthetic_batches("mlp", 12, seed=1)
+    for step, batch in enumerate(batches, start=1):
+        for model, opt in ((model_r, ref), (model_o, ours)):
+            opt.zero_grad()
+            loss = loss_fn(model, batch)
+            loss.backward()
+            opt.step(loss.item())
+            if step % 4 == 0:  # a fresh backward first: unclipped gradients in both
+                opt.zero_grad()
+                loss_fn(model, batch).backward()
+            opt._update_meta_components(loss.item())
+        for (name, cr), co in zip(ref.controller.named_parameters(), ours.controller.parameters()):
+            # Adam on near-zero meta-gradients amplifies last bits: 2e-5 (the stale stats of
+            # unclipped gradients move the weights by ~0.1)
+            torch.testing.assert_close(co, cr, rtol=1e-5, atol=2e-5,
+                                       msg=lambda m: f"step {step} controller {name}: {m}")
+        torch.testing.assert_close(float(ours.last_meta_loss), float(ref.last_meta_loss),
+                                   rtol=1e-4, atol=1e-7)
+    for pr, po in zip(model_r.parameters(), model_o.parameters()):
+        torch.testing.assert_close(po.detach(), pr.detach(), rtol=2e-5, atol=1e-7)
+
+
+def test_cms_checkpoint_groups_hold_base_lr_as_the_references():
+    """In CMS mode the reference's AdamW groups are never written (the update is the CMS one):
+    its checkpoints hold base_lr there, and so do ours."""
+    (model_r, ref), (model_o, ours) = reference_and_ours(make_mlp_10_32_5(seed=0),
+                                                         use_cms_updates=True,
+                                                         use_preprocessing=False)
+    for step in range(1, 6):
+        _step_all(step, (model_r, ref), (model_o, ours))
+    assert ours.get_effective_lrs() != pytest.approx([1e-3, 1e-3], rel=1e-4)  # mu moved
+    saved_r = ref.state_dict()["base_optimizer"]["param_groups"]
+    saved_o = ours.state_dict()["base_optimizer"]["param_groups"]
+    assert [g["lr"] for g in saved_o] == [g["lr"] for g in saved_r] == [1e-3, 1e-3]
+
+
+
+def test_a_finite_float_loss_beyond_float32_steps_on():
+    """The reference takes a float loss of 1e39 after its first step (its EMA is a tensor
+    update); ours too, the loss read as float32's largest value (it raised, global_step advanced)."""
+    model = make_mlp_10_32_5(seed=0)
+    opt = titanmac_c.DeepNestedOptimizer(model)
+    for step, loss in enumerate((0.5, 1e39, -1e39, 0.5), start=1):
+        _set(model, _grads(model, step))
+        opt.step(loss)
+        assert opt.global_step == step and float(opt.skipped) == 0.0
+        assert torch.isfinite(opt.ema_loss).all()
+    assert all(torch.isfinite(p).all() for p in model.parameters())

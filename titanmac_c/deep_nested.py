@@ -118,6 +118,9 @@ def _check_float(name, value, low=0.0):
     return value
 
 
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+_CURRENT = object()  # _update_meta_components' default: the current gradients' clip
+
 _COMPILED_PREFIX = "_orig_mod."  # torch.compile's wrapper names the wrapped module so
 
 
@@ -242,6 +245,7 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin):
         self.controller_grad_norm = 0.0
         self._stored_loss = None
         self._warned_no_loss = False
+        self._clip_mark = None  # see _mark_clipped_gradients
         self.meta_trainer = SimplifiedMetaTrainer(window_size=self.meta_update_freq,
                                                   improvement_threshold=IMPROVEMENT_THRESHOLD)
         self.unrolled_trainer = UnrolledMetaTrainer(k_steps=self.k_unroll,
@@ -320,8 +324,8 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin):
         with torch.no_grad():
             if isinstance(loss, torch.Tensor):
                 self._loss.copy_(loss.detach().reshape(1))
-            else:
-                self._loss.fill_(loss)
+            else:  # a finite float beyond float32's range: its largest value, as a step goes on
+                self._loss.fill_(max(-_FLOAT32_MAX, min(loss, _FLOAT32_MAX)))
             update = t % self.controller_update_freq == 0 or t == 1
             try:
                 with prof.step_range(prof.STEP):
@@ -333,6 +337,7 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin):
                 self.global_step = t - 1
                 self._raise_if_sparse()
                 raise
+        self._clip_mark = self._mark_clipped_gradients()
         if self.mode == "simple" and t % self.meta_update_freq == 0:
             # Host logic every meta_update_freq steps; a step the guard skipped gets no meta update,
             # as in the reference, whose skip returns before it.
@@ -345,6 +350,30 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin):
         if self._last_surrogate_loss is not None:
             result["surrogate_loss"] = self._last_surrogate_loss  # stale after its step, as ref
         return result
+
+    def _mark_clipped_gradients(self):
+        """(parameter, its gradient, the gradient's version) of the first grouped gradient after
+        a step that clips: the reference clips .grad in place, ours scales only as the update
+        loads it, so a later direct _update_meta_components applies the coefficient while these
+        are still the step's gradients (no backward since)."""
+        if self.max_grad_norm <= 0:
+            return None
+        for group in self.base_optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    return p, p.grad, p.grad._version
+        return None
+
+    def _clip_of_current_gradients(self):
+        """The clip coefficient the reference's in-place clip would have left on the current
+        gradients, or None (no clip, a skipped step, or gradients from a backward since)."""
+        mark = self._clip_mark
+        if mark is None:
+            return None
+        p, grad, version = mark
+        if p.grad is not grad or grad._version != version or float(self.skipped) != 0.0:
+            return None
+        return self._coef
 
     def _raise_if_sparse(self):
         """A sparse gradient fails the first C call with torch's DLPack message: say what it is."""
@@ -399,9 +428,13 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin):
         return torch.where(torch.isfinite(stats),
                            stats, torch.stack([ones, ones, self.group_depths], dim=1))
 
-    def _update_meta_components(self, loss_value, grad_scale=None):
+    def _update_meta_components(self, loss_value, grad_scale=_CURRENT):
         """Spec 9.2. The mean momentum norm is 0 in AdamW mode and the MLP proxy loss is 0 (every
-        sampled tensor's level-0 EMA is zero in the reference), so only the controller learns."""
+        sampled tensor's level-0 EMA is zero in the reference), so only the controller learns.
+        Some callers call this directly after step() (spec 12): the gradients are then the
+        clipped ones in the reference, hence the default grad_scale."""
+        if grad_scale is _CURRENT:
+            grad_scale = self._clip_of_current_gradients()
         momentum_norm = 0.0
         if self._cms is not None:
             momentum_norm = torch.stack(list(torch._foreach_norm(self._cms.momenta()))).mean()
@@ -438,15 +471,17 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin):
             val_loss = loss_fn(self.model, val_batch)
         val_loss = float(val_loss)
         self.zero_grad(set_to_none=True)
-        self._update_meta_components(val_loss)
+        self._update_meta_components(val_loss, grad_scale=None)
 
     # ------------------------------------------------------------------ Appendix A, checkpoints
 
     def state_dict(self):
         base = self.base_optimizer.state_dict()
-        # the reference's AdamW groups hold base_lr * mu_g of the last step (one host read here)
-        for group, lr in zip(base["param_groups"], self.get_effective_lrs()):
-            group["lr"] = lr
+        if self._cms is None:
+            # the reference's AdamW groups hold base_lr * mu_g of the last step (one host read
+            # here); in CMS mode it never writes them: base_lr
+            for group, lr in zip(base["param_groups"], self.get_effective_lrs()):
+                group["lr"] = lr
         sd = {
             "base_optimizer": base,
             "momentum_mlp": self._module_state(self.momentum_mlp),
