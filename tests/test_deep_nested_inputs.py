@@ -476,3 +476,31 @@ def test_a_finite_float_loss_beyond_float32_steps_on():
         assert opt.global_step == step and float(opt.skipped) == 0.0
         assert torch.isfinite(opt.ema_loss).all()
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("kw", MODES[::2], ids=MODE_IDS[::2])
+def test_parameters_added_to_the_model_later_count_in_the_clip_norm(kw):
+    """The reference clips over model.parameters() at each step: a head attached after the
+    optimizer was built (not trained by either) counts in the total norm from then on, and a
+    layer's parameter replaced by a new one too."""
+    torch.manual_seed(0)
+    (model_r, ref), (model_o, ours) = reference_and_ours(PartlyFrozen(), max_grad_norm=0.5, **kw)
+    for step in range(1, 4):
+        _step_all(step, (model_r, ref), (model_o, ours))
+    for m in (model_r, model_o):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(1)
+            m.head = torch.nn.Linear(8, 8)  # a submodule registered after construction
+        m.frozen.bias = torch.nn.Parameter(torch.zeros(8))  # a parameter replaced
+    for step in range(4, 10):
+        g = _grads(model_r, step)
+        for name in ("head.weight", "head.bias", "frozen.bias"):
+            g[name] = g[name] * 5.0  # large: leaving them out changes the clip coefficient
+        for model, opt in ((model_r, ref), (model_o, ours)):
+            for name, p in model.named_parameters():
+                p.grad = g[name].clone() if name in g else None
+            opt.step(0.5)
+        for (name, pr), po in zip(model_r.named_parameters(), model_o.parameters()):
+            torch.testing.assert_close(po.detach(), pr.detach(), rtol=2e-5, atol=1e-7,
+                                       msg=lambda m: f"step {step} {name}: {m}")
+    assert float(ours._coef) < 0.5  # the clip was active

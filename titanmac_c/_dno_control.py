@@ -11,6 +11,25 @@ from ._reference_dno import EMA_LOSS_BETA, MAX_LR_MULT, MIN_LR_MULT, N_GROUPS
 from ._runtime import exec_kwargs, norms_scratch, reraise_with_names
 
 
+_MODEL_EDITS = [0]  # parameters or submodules registered on any module since the hooks went in
+
+
+def _count_model_edit(module, name, value):
+    _MODEL_EDITS[0] += 1  # returns None: the registered value stays as it is
+
+
+def watch_model_edits():
+    """Count parameter and submodule registrations (torch's global registration hooks; installed
+    once, by the first DeepNestedOptimizer): a model grown after the optimizer was built (a head
+    added, a layer replaced) changes which parameters lie outside the groups, which the
+    reference's clip over model.parameters() sees at every step."""
+    if not getattr(watch_model_edits, "installed", False):
+        torch.nn.modules.module.register_module_parameter_registration_hook(_count_model_edit)
+        torch.nn.modules.module.register_module_module_registration_hook(_count_model_edit)
+        watch_model_edits.installed = True
+    return _MODEL_EDITS[0]
+
+
 class ControlStepMixin:
     """Needs from the optimizer: base_optimizer, controller, device, the device buffers _norms,
     _loss, _lr_multipliers, ema_loss, _lr, _coef, skipped, the hyperparameters it passes, and
@@ -62,8 +81,13 @@ class ControlStepMixin:
                 norms[g:2 * g] = torch.sqrt(norms[g:2 * g] ** 2 * bool(grads) + extra ** 2)
 
     def _ungrouped_grads(self):
-        """Gradients of model parameters outside the groups (frozen when the optimizer was built,
-        unfrozen since): the reference's clip norm covers all of model.parameters() (spec 8)."""
+        """Gradients of model parameters outside the groups (frozen when the optimizer was built
+        and unfrozen since, or added to the model since): the reference's clip norm covers all
+        of model.parameters() (spec 8). The list is rebuilt only after a model edit."""
+        if self._model_edits != _MODEL_EDITS[0]:
+            self._model_edits = _MODEL_EDITS[0]
+            self._ungrouped = [(name, p) for name, p in self.model.named_parameters()
+                               if p not in self._param_names]
         return [(name, p.grad) for name, p in self._ungrouped if p.grad is not None]
 
     def _add_to_total_norm(self, extra):

@@ -63,7 +63,7 @@ from ._reference_dno import (
 )
 from ._dno_graph import GraphState
 from ._cms import CMSModeMixin, CMSState, init_output_on_sign, level_frequencies
-from ._dno_control import ControlStepMixin
+from ._dno_control import ControlStepMixin, watch_model_edits
 from ._runtime import SUPPORTED_DTYPES, Scratch
 from .optim import AdamW
 
@@ -211,9 +211,10 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin):
         _check_grouped(groups, group_names, self.device)
         self._param_names = {p: name for group, names in zip(groups, group_names)
                              for p, name in zip(group["params"], names)}
-        # model parameters outside the groups: their gradients count in the clip norm (spec 8)
-        self._ungrouped = [(name, p) for name, p in model.named_parameters()
-                           if p not in self._param_names]
+        # model parameters outside the groups: their gradients count in the clip norm (spec 8);
+        # found at the first step and again after the model is edited
+        self._ungrouped = []
+        self._model_edits = watch_model_edits() - 1
         self.base_optimizer = AdamW(groups, lr=self.base_lr, weight_decay=self.weight_decay)
         if self.use_preprocessing:
             mlp = DirectUpdateMLP(hidden_dim=min(self.momentum_hidden_dim, DIRECT_MLP_MAX_HIDDEN),
