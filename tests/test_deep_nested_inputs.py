@@ -172,18 +172,26 @@ def test_numpy_integer_hyperparameters_act_as_ints():
                     momentum_hidden_dim=np.int64(16), meta_update_freq=np.int32(7),
                     k_unroll=np.int64(3), controller_hidden_dim=np.int16(8),
                     momentum_num_layers=np.uint8(2))
+    b = _assert_acts_as_ints(as_ints, as_numpy)
+    assert type(b.cms_frequencies[0]) is int and b.meta_trainer.window_size == 7
+
+
+def _assert_acts_as_ints(as_ints, given):
+    """Optimizers built with as_ints and with given (the same values in other types) hold the
+    same Python ints and train bit for bit alike over 15 CMS steps; returns the second."""
     model_a = make_mlp_10_32_5(seed=0)
     model_b = copy.deepcopy(model_a)
     a = titanmac_c.DeepNestedOptimizer(model_a, use_cms_updates=True, **as_ints)
-    b = titanmac_c.DeepNestedOptimizer(model_b, use_cms_updates=True, **as_numpy)
-    assert b.cms_frequencies == [1, 5, 50] and type(b.cms_frequencies[0]) is int
-    assert type(b.momentum_hidden_dim) is int and b.meta_trainer.window_size == 7
+    b = titanmac_c.DeepNestedOptimizer(model_b, use_cms_updates=True, **given)
+    for key in as_ints:
+        assert getattr(b, key) == as_ints[key] and type(getattr(b, key)) is type(as_ints[key])
     b.controller.load_state_dict(a.controller.state_dict())
     b.momentum_mlp.load_state_dict(a.momentum_mlp.state_dict())
     for step in range(1, 16):
         _step_all(step, (model_a, a), (model_b, b))
     for pa, pb in zip(model_a.parameters(), model_b.parameters()):
         assert torch.equal(pa, pb)
+    return b
 
 
 @pytest.mark.parametrize("kw, err, match", [
@@ -379,18 +387,7 @@ def test_whole_number_hyperparameters_of_any_type_act_as_ints():
     as_floats = dict(cms_frequencies=torch.tensor([1, 5, 50]), momentum_hidden_dim=16.0,
                      meta_update_freq=np.float64(7.0), controller_update_freq=torch.tensor(2.0),
                      k_unroll=3.0, cuda_graph_warmup_steps=3.0)
-    model_a = make_mlp_10_32_5(seed=0)
-    model_b = copy.deepcopy(model_a)
-    a = titanmac_c.DeepNestedOptimizer(model_a, use_cms_updates=True, **as_ints)
-    b = titanmac_c.DeepNestedOptimizer(model_b, use_cms_updates=True, **as_floats)
-    for key in as_ints:
-        assert getattr(b, key) == as_ints[key] and type(getattr(b, key)) is type(as_ints[key])
-    b.controller.load_state_dict(a.controller.state_dict())
-    b.momentum_mlp.load_state_dict(a.momentum_mlp.state_dict())
-    for step in range(1, 16):
-        _step_all(step, (model_a, a), (model_b, b))
-    for pa, pb in zip(model_a.parameters(), model_b.parameters()):
-        assert torch.equal(pa, pb)
+    _assert_acts_as_ints(as_ints, as_floats)
     # what the reference accepts because it never reads it in that mode
     for kw in (dict(cms_frequencies=[]), dict(cms_frequencies=[0]), dict(k_unroll=0),
                dict(mode="explicit", meta_update_freq=0), dict(cuda_graph_warmup_steps=0)):
