@@ -28,7 +28,12 @@ def mark_written(*lists):
     tensor's version counter, so a backward through a graph that saved the old values raises
     ("modified by an inplace operation") instead of silently using the new ones; writes through
     DLPack bypass that, so the bump is made here (~40 ns a tensor)."""
-    torch.autograd.graph.increment_version([t for tensors in lists for t in tensors])
+    tensors = [t for ts in lists for t in ts]
+    try:
+        torch.autograd.graph.increment_version(tensors)  # a list: torch >= 2.5
+    except (TypeError, RuntimeError):
+        for t in tensors:  # torch 2.4 takes one tensor at a time
+            torch.autograd.graph.increment_version(t)
 
 
 def dense_order(t):
