@@ -277,3 +277,51 @@ def test_float64_parameter_with_state_from_torch_is_refused_before_any_write():
     a.grad, b.grad = torch.ones(4), torch.ones(4, dtype=torch.float64)
     expect_refused(opt, [a, b], TypeError,
                    r"param_groups\[1\]\['params'\]\[0\]: dtype float64 is not supported")
+
+
+# --------------------------------------------------------------- tensors sharing memory
+
+
+def test_parameters_sharing_memory_are_refused_views_of_one_buffer_are_not():
+    """Two Parameters on one memory (nn.Parameter(w) instead of reusing w: a mistaken tie) would
+    be updated at once by different threads; torch updates them one after the other. Refused,
+    naming both, before anything is written. Disjoint views of one flat buffer (flat-parameter
+    schemes) are fine and match torch with any thread count."""
+    w = torch.nn.Parameter(torch.randn(1000))
+    tied = torch.nn.Parameter(w)
+    other = torch.nn.Parameter(torch.randn(10))
+    opt = titanmac_c.AdamW([w, other, tied], lr=0.1)
+    for p in (w, other, tied):
+        p.grad = torch.randn(p.shape)
+    expect_refused(opt, [w, other, tied], ValueError,
+                   r"^params\[2\]: shares memory with params\[0\] "
+                   r"\(param_groups\[0\]\['params'\]\[2\]\)$")
+    flat = torch.randn(3000)
+    theirs_flat = flat.clone()
+    ours = [torch.nn.Parameter(flat[i * 1000:(i + 1) * 1000]) for i in (2, 0, 1)]
+    theirs = [torch.nn.Parameter(theirs_flat[i * 1000:(i + 1) * 1000]) for i in (2, 0, 1)]
+    opt, opt_t = titanmac_c.AdamW(ours, lr=0.1), torch.optim.AdamW(theirs, lr=0.1)
+    with torch.random.fork_rng(devices=[]):
+        for _ in range(3):
+            for a, b in zip(ours, theirs):
+                a.grad = torch.randn(1000)
+                b.grad = a.grad.clone()
+            opt.step()
+            opt_t.step()
+    torch.testing.assert_close(flat, theirs_flat, rtol=1e-6, atol=1e-7)
+
+
+def test_clip_refuses_gradients_sharing_memory_and_names_parameters():
+    """clip_grad_norm_ scales gradients in place, tensors at once: two on one memory are
+    refused (nothing scaled). Refused tensors are named by their place in the user's
+    parameters, parameters without gradients counted."""
+    a, b, c = (torch.nn.Parameter(torch.randn(6)) for _ in range(3))
+    a.grad = torch.full((6,), 3.0)
+    c.grad = a.grad
+    with pytest.raises(ValueError, match=r"^tensors\[1\]: shares memory with tensors\[0\] "
+                                         r"\(parameters\[2\]\)$"):
+        titanmac_c.clip_grad_norm_([a, b, c], 1.0)
+    assert torch.equal(a.grad, torch.full((6,), 3.0))
+    c.grad = torch.randn(12)[::2]  # stride 2: not dense
+    with pytest.raises(BufferError, match=r"^grads\[1\]: not contiguous .*\(parameters\[2\]\)$"):
+        titanmac_c.clip_grad_norm_([a, b, c], 1.0)

@@ -133,6 +133,13 @@ def _alias(args, kw):
     return ValueError, "momentum\\[0\\]\\[2\\]: shares memory with params\\[2\\]"
 
 
+def _params_overlap(args, kw):
+    # threads update different tensors at once: overlapping parameters would race
+    flat = torch.randn(20)
+    args["params"][1], args["params"][3] = flat[0:7], flat[5:17]
+    return ValueError, "params\\[3\\]: shares memory with params\\[1\\]"
+
+
 def _lr_dtype(args, kw):
     args["lr"] = torch.ones(2, dtype=torch.float16)
     return ValueError, "lr: expected float32 with 2 elements, got float16 with 2"
@@ -146,7 +153,7 @@ def _scratch(args, kw):
 
 CASES = [_state_numel, _state_dtype, _state_count, _grad_dtype, _steps_numel, _weights_count,
          _weights_numel, _hidden, _levels_mismatch, _fires_length, _too_many_levels, _group_of,
-         _divisor, _net_name, _alias, _lr_dtype, _scratch]
+         _divisor, _net_name, _alias, _params_overlap, _lr_dtype, _scratch]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.__name__[1:] for c in CASES])

@@ -216,3 +216,20 @@ def test_adamw_clip_then_step_on_a_channels_last_model(device):
         opt.step()
         for pr, po in zip(ref.parameters(), ours.parameters()):
             torch.testing.assert_close(po, pr, **tol(torch.float32, device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_group_norms_take_dense_layouts(device):
+    """group_norms, like the other functions: gradients and parameters in any dense layout, each
+    tensor's norm against torch's."""
+    grads = _grads_in_layouts(device)
+    params = [g.flip(0) * 2 for g in grads]  # other values, the same layouts
+    params = [p.t().contiguous().t() if i == 1 else p.contiguous(memory_format=torch.channels_last)
+              if p.dim() == 4 else p for i, p in enumerate(params)]
+    assert [p.is_contiguous() for p in params] == [True, False, False]
+    out = titanmac_c.functional.group_norms(grads, params, group_of=[0, 1, 1], num_groups=2)
+    for stats, tensors in ((out.grad, grads), (out.param, params)):
+        expected = torch.stack([torch.linalg.vector_norm(tensors[0]),
+                                torch.linalg.vector_norm(torch.stack(
+                                    [torch.linalg.vector_norm(t) for t in tensors[1:]]))])
+        torch.testing.assert_close(stats, expected, rtol=1e-6, atol=0)

@@ -121,6 +121,12 @@ class Plan:
                 return False
         return True
 
+    @functools.cached_property
+    def norm_dtype(self):
+        """The promoted dtype of the parameters (and so of their gradients): the dtype torch's
+        clip_grad_norm_ returns the norm in."""
+        return functools.reduce(torch.promote_types, (p.dtype for p in self.batch.params))
+
     def grads(self):
         """Every parameter's current gradient, or None when one is missing."""
         grads = [p.grad for p in self.batch.params]

@@ -215,6 +215,9 @@ class AdamW(Optimizer):
         max_norm = _check_max_norm(max_norm)
         norm_type = _check_norm_type(norm_type)
         grads = self._planned_grads()
+        # the returned norm's dtype: fixed by the parameters while the plan holds (the C core
+        # refuses gradients of another dtype), so reckoned once per plan
+        dtype = self._plan.norm_dtype if grads is not None else None
         if grads is None:
             grads = [g for g in (p.grad for group in self.param_groups for p in group["params"])
                      if g is not None]
@@ -245,7 +248,10 @@ class AdamW(Optimizer):
         self._clip_coef = {device: buf[1:2]}
         # in the gradients' dtype, as torch's clip_grad_norm_ returns it (the coefficient comes
         # from the float32 norm)
-        dtype = _result_dtype(grads) if total_norm is None else total_norm.dtype
+        if total_norm is not None:
+            dtype = total_norm.dtype
+        elif dtype is None:
+            dtype = _result_dtype(grads)
         return total[0] if dtype == torch.float32 else total[0].to(dtype)
 
     @torch.no_grad()

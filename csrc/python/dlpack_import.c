@@ -16,6 +16,7 @@
  */
 #include "dlpack_import.h"
 
+#include <stdlib.h>
 #include <string.h>
 
 /* ---------------------------------------------------------------- batch ---- */
@@ -395,3 +396,65 @@ py_import_list(py_batch *b, PyObject *seq, const char *name, int allow_none, tm_
     out->count = (int32_t)n;
     return 0;
 }
+
+/* ---------------------------------------------------------------- disjoint written lists ---- */
+
+typedef struct {
+    uintptr_t lo, hi; /* [lo, hi): the tensor's bytes (imported tensors are compact) */
+    int32_t index;
+} py_span;
+
+static int
+span_order(const void *a, const void *b)
+{
+    const py_span *x = a, *y = b;
+    if (x->lo != y->lo) {
+        return x->lo < y->lo ? -1 : 1;
+    }
+    return (x->index > y->index) - (x->index < y->index);
+}
+
+int
+py_import_disjoint_list(py_batch *b, PyObject *seq, const char *name, tm_tensor_list *out)
+{
+    if (py_import_list(b, seq, name, 0, out) < 0) {
+        return -1;
+    }
+    if (out->count < 2) {
+        return 0;
+    }
+    py_span *s = py_batch_alloc(b, (size_t)out->count * sizeof *s);
+    if (s == NULL) {
+        return -1;
+    }
+    int32_t n = 0;
+    int sorted = 1;
+    for (int32_t i = 0; i < out->count; i++) {
+        const tm_tensor *t = &out->tensors[i];
+        size_t bytes = (size_t)t->numel * tm_dtype_size(t->dtype);
+        if (bytes == 0) {
+            continue; /* empty, or a dtype the core refuses with its own message */
+        }
+        s[n] = (py_span){(uintptr_t)t->data, (uintptr_t)t->data + bytes, i};
+        sorted &= n == 0 || s[n - 1].lo <= s[n].lo;
+        n++;
+    }
+    if (!sorted) { /* parameters allocated in order usually are: then no sort */
+        qsort(s, (size_t)n, sizeof *s, span_order);
+    }
+    int32_t reach = 0; /* the span reaching furthest among those before k */
+    for (int32_t k = 1; k < n; k++) {
+        if (s[k].lo < s[reach].hi) {
+            int32_t i = s[k].index < s[reach].index ? s[k].index : s[reach].index;
+            int32_t j = s[k].index < s[reach].index ? s[reach].index : s[k].index;
+            PyErr_Format(PyExc_ValueError, "%s[%d]: shares memory with %s[%d]", name, (int)j,
+                         name, (int)i);
+            return -1;
+        }
+        if (s[k].hi > s[reach].hi) {
+            reach = k;
+        }
+    }
+    return 0;
+}
+

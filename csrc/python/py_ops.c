@@ -14,7 +14,7 @@
 static int
 import_adamw_lists(py_batch *b, PyObject *const lists[6], tm_adamw_tensors *t)
 {
-    return py_import_list(b, lists[0], "params", 0, &t->params) < 0 ||
+    return py_import_disjoint_list(b, lists[0], "params", &t->params) < 0 ||
                    py_import_list(b, lists[1], "grads", 0, &t->grads) < 0 ||
                    py_import_list(b, lists[2], "exp_avg", 0, &t->exp_avg) < 0 ||
                    py_import_list(b, lists[3], "exp_avg_sq", 0, &t->exp_avg_sq) < 0 ||
@@ -197,7 +197,7 @@ py_scale(PyObject *module, PyObject *args, PyObject *kwargs)
     tm_status status = TM_OK;
     int ran = 0;
     py_batch_init(&b, py_get_state(module));
-    if (py_import_list(&b, tensors, "tensors", 0, &t) < 0 ||
+    if (py_import_disjoint_list(&b, tensors, "tensors", &t) < 0 ||
         py_import(&b, scale, "scale", -1, 0, &s, NULL, NULL) < 0 ||
         py_setup_call(&b, py_first_or(&t, &s), num_threads, stream, Py_None, 0, "", &c) < 0) {
         goto done;
