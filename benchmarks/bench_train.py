@@ -44,17 +44,16 @@ def _sync(device):
 
 
 def state_bytes(opt):
-    """Bytes of tensors the optimizer keeps between steps (AdamW state and CMS buffers)."""
+    """Bytes of memory held by tensors the optimizer keeps between steps (AdamW state and CMS
+    buffers), each storage counted once: in titanmac_c's optimizer.state a CMS buffer it does not
+    keep reads as zeros of one element of storage."""
     tensors = [t for st in opt.base_optimizer.state.values() for t in st.values()
                if isinstance(t, torch.Tensor)]
-    for st in opt.state.values():
-        if hasattr(st, "levels"):  # the reference's ContinuumMemoryState
-            tensors += [getattr(lvl, k) for lvl in st.levels
-                        for k in ("momentum", "accumulated_grad", "ema_grad", "v_sq")]
-        else:
-            tensors += [t for v in st.values() for t in (v if isinstance(v, list) else [v])
-                        if t is not None]  # None: a CMS buffer titanmac_c does not keep
-    return sum(t.numel() * t.element_size() for t in tensors)
+    for st in opt.state.values():  # CMS mode: a ContinuumMemoryState or our view of one
+        tensors += [getattr(lvl, k) for lvl in st.levels
+                    for k in ("momentum", "accumulated_grad", "ema_grad", "v_sq")]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
 
 
 def train(kind, device, steps, warmup, batches, mode="adamw", net="direct"):
