@@ -15,6 +15,7 @@
  * may drop Python objects).
  */
 #include "dlpack_import.h"
+#include "tm_tensor.h"
 
 #include <stdlib.h>
 #include <string.h>
