@@ -43,7 +43,9 @@ class Batch:
         self.params, self.grads, self.exp_avgs, self.exp_avg_sqs = [], [], [], []
         self.max_exp_avg_sqs, self.steps, self.group_of = [], [], []
         self.names = []  # "param_groups[g]['params'][j]" of each flat entry
-        self.permuted = False  # some entries are permuted views (permute_dense): no Plan
+        # entries a Plan could not re-read (permuted views, gradients copied into their
+        # parameter's layout): no Plan
+        self.no_plan = False
 
     def permute_dense(self):
         """A parameter that is dense in another order (channels_last, transposed) goes to the C
@@ -56,7 +58,7 @@ class Batch:
             order = dense_order(p)
             if order is None:
                 continue  # the C core refuses it, with its name
-            self.permuted = True
+            self.no_plan = True
             self.params[i] = p.permute(order)
             lists = [self.grads, self.exp_avgs, self.exp_avg_sqs]
             if self.amsgrad:

@@ -60,17 +60,18 @@ def dense_views(tensors):
     return views if changed else None
 
 
-def call_dense(fn, tensors, *args, **kwargs):
-    """fn(tensors, ...); if the C core refuses a tensor (BufferError: it validates before
-    writing), again with dense_views(tensors) when that changes anything. Contiguous input costs
-    nothing extra."""
+def call_dense(fn, *lists):
+    """fn(*lists) (a list may be None); if the C core refuses a tensor (BufferError: it
+    validates before writing), again with each list's dense_views when that changes anything.
+    Each list is viewed on its own, so fn must pair no elements across lists (norms, scaling).
+    Contiguous input costs nothing extra."""
     try:
-        return fn(tensors, *args, **kwargs)
+        return fn(*lists)
     except BufferError:
-        views = dense_views(tensors)
-        if views is None:
+        views = [None if ts is None else dense_views(ts) for ts in lists]
+        if all(v is None for v in views):
             raise
-        return fn(views, *args, **kwargs)
+        return fn(*(ts if v is None else v for ts, v in zip(lists, views)))
 
 
 def norms_scratch(device: torch.device, grads, params=None):

@@ -19,7 +19,6 @@ from . import _C
 from . import _profiling as prof
 from ._runtime import (
     call_dense,
-    dense_views,
     exec_kwargs,
     mark_written,
     norms_scratch,
@@ -55,27 +54,29 @@ def _check_max_norm(max_norm) -> float:
     return max_norm
 
 
-def _by_device(tensors, label):
-    """Tensors grouped by device, in first-seen order, each group with the user's names of its
-    tensors ("parameters[4]": the C core numbers each call's own list)."""
+def _by_device(tensors):
+    """The tensors that are not None grouped by device, in first-seen order, each group as
+    (their positions in tensors, the tensors): the C core numbers each call's own list, and an
+    error names the user's position instead (_call_named)."""
     groups = {}
-    for name, t in zip((f"{label}[{i}]" for i in range(len(tensors))), tensors):
+    for i, t in enumerate(tensors):
         if t is not None:
-            names, ts = groups.setdefault(t.device, ([], []))
-            names.append(name)
+            positions, ts = groups.setdefault(t.device, ([], []))
+            positions.append(i)
             ts.append(t)
     return groups
 
 
-def _call_named(names, fn, tensors, *args, **kwargs):
-    """call_dense(fn, tensors, ...) with a refused tensor's message naming it as the user does."""
+def _call_named(label, positions, fn, tensors):
+    """call_dense(fn, tensors) with a refused tensor's message naming it as the user does
+    ("parameters[4]"; the names are made only on an error)."""
     try:
-        return call_dense(fn, tensors, *args, **kwargs)
+        return call_dense(fn, tensors)
     except (ValueError, TypeError, BufferError) as exc:
-        reraise_with_names(exc, names)
+        reraise_with_names(exc, [f"{label}[{i}]" for i in positions])
 
 
-def _total_on_device(names, tensors, norm_type, device, max_norm=None):
+def _total_on_device(label, positions, tensors, norm_type, device, max_norm=None):
     """float32 [3] tensor: [0] the group output (unused), [1] the p-norm of tensors, [2] the
     clip coefficient for max_norm (when given: written by the same call)."""
     out = torch.empty(3, dtype=torch.float32, device=device)
@@ -85,7 +86,7 @@ def _total_on_device(names, tensors, norm_type, device, max_norm=None):
         _C.norms(ts, None, out[0:1], out[1:2], norm_type=norm_type,
                  scratch=norms_scratch(device, ts), **clip, **exec_kwargs(device))
 
-    _call_named(names, run, tensors)
+    _call_named(label, positions, run, tensors)
     return out
 
 
@@ -114,8 +115,9 @@ def get_total_norm(tensors, norm_type=2.0, error_if_nonfinite=False, foreach=Non
     norm_type = _check_norm_type(norm_type)
     if len(tensors) == 0:
         return torch.tensor(0.0)
-    by_device = _by_device(tensors, "tensors")
-    totals = [_total_on_device(*named, norm_type, dev)[1] for dev, named in by_device.items()]
+    by_device = _by_device(tensors)
+    totals = [_total_on_device("tensors", *placed, norm_type, dev)[1]
+              for dev, placed in by_device.items()]
     total = _combine_totals(totals, list(by_device), norm_type)
     dtype = _result_dtype(tensors)
     if dtype != torch.float32:
@@ -140,23 +142,25 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
     norm_type = _check_norm_type(norm_type)
     if len(grads) == 0:
         return torch.tensor(0.0)
-    by_device = _by_device(all_grads, "parameters")
+    by_device = _by_device(all_grads)
     devices = list(by_device)
     single = len(devices) == 1
     with prof.step_range(prof.STATS):
-        buffers = [_total_on_device(*named, norm_type, dev, max_norm if single else None)
-                   for dev, named in by_device.items()]
+        buffers = [_total_on_device("parameters", *placed, norm_type, dev,
+                                    max_norm if single else None)
+                   for dev, placed in by_device.items()]
     total = _combine_totals([b[1] for b in buffers], devices, norm_type)
     if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
         raise RuntimeError(_NONFINITE_MESSAGE.format(norm_type))
     with prof.step_range(prof.CLIP):
-        for (device, (names, device_grads)), buf in zip(by_device.items(), buffers):
+        for (device, (positions, device_grads)), buf in zip(by_device.items(), buffers):
             kwargs = exec_kwargs(device)
             coef = buf[2:3]
             if not single:  # the coefficient of the norm over all devices
                 _C.clip_coef(total.reshape(1).to(device), max_norm, coef,
                              stream=kwargs.get("stream"))
-            _call_named(names, _C.scale_, device_grads, coef, **kwargs)
+            _call_named("parameters", positions, lambda ts: _C.scale_(ts, coef, **kwargs),
+                        device_grads)
             mark_written(device_grads)
     dtype = _result_dtype(grads)
     return total if dtype == torch.float32 else total.to(dtype)
@@ -188,14 +192,7 @@ def group_norms(grads, params=None, group_of=None, num_groups=1, norm_type=2.0):
         _C.norms(gs, ps, out[0:g], out[2 * g : 2 * g + 1], scratch=norms_scratch(device, gs, ps),
                  **kwargs, **exec_kwargs(device))
 
-    try:
-        run(grads, params)
-    except BufferError:  # dense layouts (each tensor's norm is its own: views need no pairing)
-        grad_views = dense_views(grads)
-        param_views = dense_views(params) if params is not None else None
-        if grad_views is None and param_views is None:
-            raise
-        run(grad_views or grads, param_views or params)
+    call_dense(run, grads, params)  # each tensor's norm is its own: views need no pairing
     has_params = params is not None
     return GroupNorms(
         grad=out[0:g],

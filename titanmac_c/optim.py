@@ -284,7 +284,7 @@ class AdamW(Optimizer):
         self.state.update(new_state)
         self._clip_coef = {}
         n_params = sum(len(g["params"]) for g in self.param_groups)
-        if len(batches) == 1 and len(batches[0].params) == n_params and not batches[0].permuted:
+        if len(batches) == 1 and len(batches[0].params) == n_params and not batches[0].no_plan:
             self._plan = Plan(self, batches[0])
 
     def _run_batch(self, batch, groups, lrs, lr, grad_scale, skip, zero_grads_on_skip):
@@ -356,7 +356,7 @@ class AdamW(Optimizer):
                     if k in state:
                         state[k] = in_layout_of(state[k], p)
                 laid_out = in_layout_of(grad, p)
-                batch.permuted |= laid_out is not grad
+                batch.no_plan |= laid_out is not grad
                 grad = laid_out
                 batch.group_of.append(gi)
                 batch.params.append(p)
