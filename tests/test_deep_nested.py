@@ -71,7 +71,19 @@ def _compare_state(ref, ours, model_ref, model_ours, step):
                                rtol=1e-5, atol=1e-6)
 
 
-def _run(kind, device, steps, tensor_loss=False, meta_every=None, **kw):
+@torch.no_grad()
+def _resync_from_reference(ref, ours, model_ref, model_ours):
+    """Start ours from the reference's parameters and AdamW moments, so a long run checks every
+    step's arithmetic without the ulp differences of earlier steps compounding through the model
+    (the meta state, step counts and multipliers keep running on their own)."""
+    for pr, po in zip(model_ref.parameters(), model_ours.parameters()):
+        po.copy_(pr)
+        sr, so = ref.base_optimizer.state.get(pr), ours.base_optimizer.state.get(po)
+        for key in ("exp_avg", "exp_avg_sq") if sr else ():
+            so[key].copy_(sr[key])
+
+
+def _run(kind, device, steps, tensor_loss=False, meta_every=None, resync_every=None, **kw):
     (model_ref, ref), (model_ours, ours) = _pair(kind, device, **kw)
     batches = synthetic_batches(kind, steps, seed=1, device=device)
     for step, batch in enumerate(batches, start=1):
@@ -90,6 +102,8 @@ def _run(kind, device, steps, tensor_loss=False, meta_every=None, **kw):
             ref.meta_update(val, use_unrolled=False, loss_fn=loss_fn)
             ours.meta_update(val, use_unrolled=False, loss_fn=loss_fn)
         _compare_state(ref, ours, model_ref, model_ours, step)
+        if resync_every and step % resync_every == 0:
+            _resync_from_reference(ref, ours, model_ref, model_ours)
     return ref, ours
 
 
@@ -110,10 +124,13 @@ def test_parity_mlp_explicit_mode(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_parity_titanmac_like_model(device):
-    """The TitanMAC-like model (3.2M parameters in 48 tensors), both groups, clipping active."""
+    """The TitanMAC-like model (3.2M parameters in 48 tensors), both groups, clipping active.
+    On CUDA 300 steps, started again from the reference's parameters and moments every 50: in a
+    free run the ulps of torch's FMA-contracted AdamW against ours compound (H100, 2026-11-23:
+    exp_avg 3.2e-6 off at step 189, growing), and the tolerance would only chase them."""
     steps = 300 if device == "cuda" else 60
     _run("titanmac", device, steps, mode="simple", meta_update_freq=25, weight_decay=0.01,
-         controller_update_freq=10)
+         controller_update_freq=10, resync_every=50 if device == "cuda" else None)
 
 
 @pytest.mark.parametrize("device", DEVICES)

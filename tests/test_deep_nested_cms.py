@@ -85,7 +85,8 @@ def _assert_update_close(p_ours, p_ref, p_before, what):
     2 ulps of p (the rounding of p - lr u)."""
     before = p_before.detach().double()
     u_ours, u_ref = p_ours.detach().double() - before, p_ref.detach().double() - before
-    ulp = (torch.nextafter(p_before.detach().abs(), torch.tensor(math.inf)) -
+    ulp = (torch.nextafter(p_before.detach().abs(),
+                          torch.tensor(math.inf, device=p_before.device)) -
            p_before.detach().abs()).double()
     bound = 1e-4 * u_ref.abs() + 2 * ulp
     worst = float(((u_ours - u_ref).abs() / bound).max())
