@@ -131,3 +131,36 @@ def test_graph_mode_with_the_legacy_network_steps_eagerly():
                                                       use_cms_updates=True,
                                                       use_preprocessing=False)
     _assert_momenta_close(model_g, graph, model_e, eager)
+
+
+@pytest.mark.parametrize("mode", ["adamw", "cms"])
+def test_graph_mode_recaptures_after_weights_and_parameters_move(mode):
+    """A graph reads the controller's and the momentum network's weights and the parameters at
+    the addresses it was captured with. Replacing the controller's Parameters
+    (load_state_dict(..., assign=True)) and moving a parameter's storage (p.data = ...) after the
+    capture: graph mode follows eager (it re-captures), and the parameter moved is updated."""
+    model_e = _model()
+    model_g = copy.deepcopy(model_e)
+    kw = dict(use_cms_updates=mode == "cms", cuda_graph_warmup_steps=2)
+    eager = titanmac_c.DeepNestedOptimizer(model_e, **KW, **kw)
+    graph = titanmac_c.DeepNestedOptimizer(model_g, use_cuda_graph=True, **KW, **kw)
+    graph.controller.load_state_dict(eager.controller.state_dict())
+    graph.momentum_mlp.load_state_dict(eager.momentum_mlp.state_dict())
+    batches = synthetic_batches("titanmac", 16, seed=6, device="cuda")
+    gen = torch.Generator().manual_seed(0)
+    new = {k: (torch.randn(v.shape, generator=gen) * 0.3).cuda()
+           for k, v in eager.controller.state_dict().items()}
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        for model, opt in ((model_e, eager), (model_g, graph)):
+            _train(model, opt, batches[:6])
+            opt.controller.load_state_dict({k: v.clone() for k, v in new.items()}, assign=True)
+            first = next(model.parameters())
+            first.data = first.data.clone()
+            _train(model, opt, batches[6:])
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert graph._graph.captured
+    torch.testing.assert_close(graph.get_lr_multipliers(), eager.get_lr_multipliers())
+    for a, b in zip(model_g.parameters(), model_e.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

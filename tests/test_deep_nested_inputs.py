@@ -502,3 +502,90 @@ def test_parameters_added_to_the_model_later_count_in_the_clip_norm(kw):
             torch.testing.assert_close(po.detach(), pr.detach(), rtol=2e-5, atol=1e-7,
                                        msg=lambda m: f"step {step} {name}: {m}")
     assert float(ours._coef) < 0.5  # the clip was active
+
+
+@pytest.mark.parametrize("kw", MODES, ids=MODE_IDS)
+def test_controller_weights_replaced_between_steps_are_used_as_the_references(kw):
+    """load_state_dict(..., assign=True) on the controller swaps its Parameter objects: the next
+    steps run the new weights (ours had kept views of the old ones), as the reference does."""
+    (model_r, ref), (model_o, ours) = reference_and_ours(make_mlp_10_32_5(seed=0),
+                                                         meta_update_freq=1000, **kw)
+    gen = torch.Generator().manual_seed(3)
+    new = {k: torch.randn(v.shape, generator=gen) * 0.3
+           for k, v in ref.controller.state_dict().items()}
+    for step, batch in enumerate(synthetic_batches("mlp", 8, seed=9), start=1):
+        if step == 4:
+            for opt in (ref, ours):
+                opt.controller.load_state_dict({k: v.clone() for k, v in new.items()},
+                                               assign=True)
+        for model, opt in ((model_r, ref), (model_o, ours)):
+            opt.zero_grad()
+            loss = loss_fn(model, batch)
+            loss.backward()
+            opt.step(loss.item())
+        torch.testing.assert_close(ours.get_lr_multipliers(), ref.get_lr_multipliers(),
+                                   rtol=1e-5, atol=1e-6, msg=lambda m: f"step {step}: {m}")
+        for (name, pr), po in zip(model_r.named_parameters(), model_o.parameters()):
+            torch.testing.assert_close(po, pr, rtol=2e-4, atol=2e-6,
+                                       msg=lambda m: f"step {step} {name}: {m}")
+
+
+def _bad_checkpoints(sd):
+    """(description, checkpoint) pairs, each wrong in one part that load_state_dict reaches
+    after others it could already have written."""
+    def edit(fn):
+        bad = copy.deepcopy(sd)
+        fn(bad)
+        return bad
+
+    def wider_controller(bad):
+        bad["controller"] = {k: torch.zeros(tuple(s + 1 for s in v.shape))
+                             for k, v in bad["controller"].items()}
+
+    out = [("controller shapes", edit(wider_controller)),
+           ("lr_multipliers length", edit(lambda b: b.update(lr_multipliers=torch.ones(3)))),
+           ("lr_multipliers of one element", edit(lambda b: b.update(lr_multipliers=torch.ones(1)))),
+           ("global_step", edit(lambda b: b.update(global_step=-1))),
+           ("meta_optimizer groups", edit(lambda b: b["meta_optimizer"]["param_groups"][0]
+                                          .update(params=[0])))]
+    if sd["cms_state"]:
+        last = max(sd["cms_state"])
+        out += [("cms momentum shape", edit(lambda b: b["cms_state"][last][0].update(
+                    momentum=torch.zeros(3)))),
+                ("cms levels", edit(lambda b: b["cms_state"][last].update(
+                    {7: copy.deepcopy(b["cms_state"][last][0])})))]
+    return out
+
+
+@pytest.mark.parametrize("kw", MODES, ids=MODE_IDS)
+def test_a_checkpoint_that_does_not_fit_raises_and_loads_nothing(kw):
+    """Every part is checked before load_state_dict writes: a refused checkpoint leaves the
+    optimizer bit for bit as it was (it had loaded the AdamW state, the modules, global_step and
+    part of the CMS state before raising), and after the good checkpoint training continues as
+    an untouched twin's."""
+    twins = []
+    for _ in range(2):
+        model = make_mlp_10_32_5(seed=0)
+        torch.manual_seed(1)  # the same networks' initial weights
+        twins.append((model, titanmac_c.DeepNestedOptimizer(model, meta_update_freq=1000, **kw)))
+    batches = synthetic_batches("mlp", 8, seed=4)
+    for step, batch in enumerate(batches[:5], start=1):
+        for model, opt in twins:
+            opt.zero_grad()
+            loss_fn(model, batch).backward()
+            opt.step(float(step))
+    (model, opt), (model_twin, twin) = twins
+    good = _roundtrip(twin.state_dict())
+    for what, bad in _bad_checkpoints(_roundtrip(twin.state_dict())):
+        before = _roundtrip(opt.state_dict())
+        with pytest.raises((ValueError, RuntimeError, KeyError)):
+            opt.load_state_dict(bad)
+        _assert_same(_roundtrip(opt.state_dict()), before, what)
+    opt.load_state_dict(good)
+    for batch in batches[5:]:
+        for m, o in twins:
+            o.zero_grad()
+            loss_fn(m, batch).backward()
+            o.step(1.0)
+    for p, q in zip(model.parameters(), model_twin.parameters()):
+        assert torch.equal(p, q)

@@ -165,6 +165,34 @@ def test_zero_grad_forgets_pending_clip():
     assert torch.equal(p, q)
 
 
+def test_a_pending_clip_survives_load_state_dict_as_torchs_clipped_gradients():
+    """torch clips the gradients in place, so clip, reload a checkpoint, step uses the clipped
+    ones; ours keeps the pending coefficient across the load (torch's load resets the caches)."""
+    pairs = []
+    for cls in (torch.optim.AdamW, titanmac_c.AdamW):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 4)
+        pairs.append((model, cls(model.parameters(), lr=0.1)))
+    x, y = torch.randn(16, 8), torch.randn(16, 4) * 100
+    for step in range(4):
+        for kind, (model, opt) in enumerate(pairs):
+            opt.zero_grad()
+            ((model(x) - y) ** 2).mean().backward()
+            if kind == 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+            else:
+                opt.clip_grad_norm_(0.01)
+            if step >= 2:
+                opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+            opt.step()
+        for (name, pt), po in zip(pairs[0][0].named_parameters(), pairs[1][0].parameters()):
+            torch.testing.assert_close(po, pt, rtol=1e-6, atol=1e-7,
+                                       msg=lambda m: f"step {step} {name}: {m}")
+            for key in ("exp_avg", "exp_avg_sq"):
+                torch.testing.assert_close(pairs[1][1].state[po][key], pairs[0][1].state[pt][key],
+                                           rtol=1e-6, atol=1e-9)
+
+
 def test_loading_does_not_alias_the_checkpoint():
     """torch's load_state_dict keeps step tensors by reference; ours copies them, so stepping
     never writes into the checkpoint or into another optimizer loaded from it."""

@@ -102,24 +102,34 @@ class CMSState:
                       for level in range(self.k)}
         return out
 
-    @torch.no_grad()
-    def load_state_dict(self, cms_state):
-        """Copies into the existing buffers; a missing ema_grad / v_sq (older checkpoints) loads
-        as zeros, as in the reference. Values of buffers not kept are checked and dropped."""
+    def check_state_dict(self, cms_state):
+        """Raises ValueError for a cms_state this state cannot load; writes nothing."""
         for i, levels in cms_state.items():
-            if i >= len(self.params):
-                raise ValueError(f"cms_state[{i}]: the optimizer has {len(self.params)} tensors")
+            if not isinstance(i, int) or not 0 <= i < len(self.params):
+                raise ValueError(f"cms_state[{i!r}]: the optimizer has {len(self.params)} tensors")
             for level, saved in levels.items():
-                if level >= self.k:
-                    raise ValueError(f"cms_state[{i}][{level}]: the optimizer has {self.k} levels")
+                if not isinstance(level, int) or not 0 <= level < self.k:
+                    raise ValueError(f"cms_state[{i}][{level!r}]: the optimizer has {self.k} levels")
                 shape = self.params[i].shape
                 for name in CMS_BUFFERS:
                     value = saved.get(name)
                     if value is None and name in ("momentum", "accumulated_grad"):
                         raise ValueError(f"cms_state[{i}][{level}]: no {name!r}")
-                    if value is not None and value.shape != shape:
-                        raise ValueError(f"cms_state[{i}][{level}][{name!r}]: shape "
-                                         f"{tuple(value.shape)}, expected {tuple(shape)}")
+                    if value is not None and (not torch.is_tensor(value) or value.shape != shape):
+                        got = tuple(value.shape) if torch.is_tensor(value) else type(value).__name__
+                        raise ValueError(f"cms_state[{i}][{level}][{name!r}]: {got}, expected a "
+                                         f"tensor of shape {tuple(shape)}")
+
+    @torch.no_grad()
+    def load_state_dict(self, cms_state):
+        """Copies into the existing buffers (after check_state_dict); a missing ema_grad / v_sq
+        (older checkpoints) loads as zeros, as in the reference. Values of buffers not kept are
+        checked and dropped."""
+        self.check_state_dict(cms_state)
+        for i, levels in cms_state.items():
+            for level, saved in levels.items():
+                for name in CMS_BUFFERS:
+                    value = saved.get(name)
                     if self.buffers[name][level]:
                         buf = self.buffers[name][level][i]
                         buf.copy_(value if value is not None else torch.zeros_like(buf))

@@ -133,16 +133,17 @@ class ControlStepMixin:
         return torch.log1p(grad_norms) / 10.0, torch.log1p(param_norms) / 10.0
 
     def _controller_weights(self):
-        """Detached views of the controller's weights, rebuilt only when the module was replaced
-        or a weight's storage moved (meta-updates and load_state_dict write in place)."""
+        """Detached views of the controller's current weights, rebuilt only when a parameter was
+        replaced (the module itself, `load_state_dict(..., assign=True)`, a new nn.Parameter) or
+        a weight's storage moved (`p.data = ...`); meta-updates and plain loads write in place."""
+        params = list(self.controller.parameters())
         cached = self._controller_views
-        if cached is None or cached[0] is not self.controller:
-            cached = (self.controller, list(self.controller.parameters()), None)
-        module, params, views = cached
-        if views is None or any(v.data_ptr() != p.data_ptr() for v, p in zip(views, params)):
-            views = [p.detach() for p in params]
-        self._controller_views = (module, params, views)
-        return views
+        if (cached is None or len(cached[0]) != len(params)
+                or any(a is not b or v.data_ptr() != b.data_ptr()
+                       for a, b, v in zip(cached[0], params, cached[1]))):
+            cached = (params, [p.detach() for p in params])
+            self._controller_views = cached
+        return cached[1]
 
     def _control(self, t, update, check_loss, base_lr=None):
         g = N_GROUPS

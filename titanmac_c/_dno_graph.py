@@ -28,6 +28,7 @@ class GraphState:
         self.static_grads = None
         self.base_lr = None
         self.captured = False
+        self.addresses = None  # see _addresses
 
     def supported(self):
         if self.opt.device.type != "cuda" or not _C.cuda_compiled():
@@ -41,6 +42,18 @@ class GraphState:
         self.graphs = {}
         self.static_grads = None
         self.captured = False
+        self.addresses = None
+
+    def _addresses(self, params):
+        """The memory the captured calls read and write besides the static gradients and the
+        optimizer's own buffers: the parameters and the networks' weights. One replaced or moved
+        since the capture (`p.data = ...`, a module's `load_state_dict(..., assign=True)`) would
+        leave the graphs on the old memory, so they are captured again."""
+        opt = self.opt
+        weights = list(opt.controller.parameters())
+        if opt._cms is not None:
+            weights += list(opt.momentum_mlp.parameters())
+        return tuple(t.data_ptr() for t in params) + tuple(w.data_ptr() for w in weights)
 
     def _bind_grads(self, params):
         """Make every parameter's .grad the static buffer the graphs read. False when the set of
@@ -67,6 +80,10 @@ class GraphState:
         params = [p for g in opt.base_optimizer.param_groups for p in g["params"]]
         if not self._bind_grads(params):
             return False
+        addresses = self._addresses(params)
+        if addresses != self.addresses:
+            self.graphs = {}
+            self.addresses = addresses
         if self.base_lr is None:
             self.base_lr = torch.empty(1, dtype=torch.float32, device=opt.device)
         self.base_lr.fill_(opt.base_lr)

@@ -35,6 +35,7 @@ _dno_control.py the statistics and control calls, _cms.py the CMS mode, _dno_gra
 CUDA-graph mode.
 """
 
+import copy
 import math
 import numbers
 import warnings
@@ -240,7 +241,7 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin):
         self._mlp_output_history = {}  # tensor index -> last Phase-1 output (not checkpointed)
         self._last_surrogate_loss = None
         self._cms_scratch = Scratch()
-        self._controller_views = None  # (module, its parameters, their detached views)
+        self._controller_views = None  # (the controller's parameters, their detached views)
         self.global_step = 0
         self.last_meta_loss = None
         self.controller_grad_norm = 0.0
@@ -497,6 +498,47 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin):
             sd["mlp_optimizer"] = self.mlp_optimizer.state_dict()
         return sd
 
+    def _check_state_dict(self, state_dict):
+        """Everything load_state_dict would refuse, found before it writes: the parts' keys, the
+        modules' keys and shapes (loaded into copies), the optimizers' group sizes, the
+        multipliers' and EMA's lengths, the CMS state. Returns (multipliers, ema, global_step)."""
+        for key in ("base_optimizer", "momentum_mlp", "controller", "meta_optimizer"):
+            if key not in state_dict:
+                raise KeyError(f"DeepNestedOptimizer.load_state_dict: no {key!r} in the checkpoint")
+        for key, module in (("momentum_mlp", self.momentum_mlp), ("controller", self.controller)):
+            try:
+                copy.deepcopy(module).load_state_dict(_uncompiled(state_dict[key]))
+            except RuntimeError as e:
+                raise RuntimeError(f"state_dict[{key!r}]: {e}") from None
+        optimizers = [("base_optimizer", self.base_optimizer),
+                      ("meta_optimizer", self.meta_optimizer)]
+        if self.mlp_optimizer is not None and "mlp_optimizer" in state_dict:
+            optimizers.append(("mlp_optimizer", self.mlp_optimizer))
+        for key, opt in optimizers:
+            saved = state_dict[key].get("param_groups", [])
+            if len(saved) != len(opt.param_groups) or any(
+                    len(s["params"]) != len(g["params"]) for s, g in zip(saved, opt.param_groups)):
+                raise ValueError(f"state_dict[{key!r}]: its parameter groups do not match this "
+                                 f"optimizer's (sizes {[len(s['params']) for s in saved]}, "
+                                 f"expected {[len(g['params']) for g in opt.param_groups]})")
+        self.base_optimizer._check_loaded_state(state_dict["base_optimizer"])
+        values = []
+        for key, default in (("lr_multipliers", torch.ones(N_GROUPS)),
+                             ("ema_loss", torch.zeros(N_GROUPS))):
+            value = state_dict.get(key)
+            value = default if value is None else torch.as_tensor(value, dtype=torch.float32)
+            if value.shape != (N_GROUPS,):
+                raise ValueError(f"state_dict[{key!r}]: shape {tuple(value.shape)}, expected "
+                                 f"({N_GROUPS},)")
+            values.append(value)
+        step = _as_int(state_dict.get("global_step", 0))
+        if step is None or step < 0:
+            raise ValueError(f"state_dict['global_step']: {state_dict.get('global_step')!r}, "
+                             "expected a whole number >= 0")
+        if self._cms is not None:
+            self._cms.check_state_dict(state_dict.get("cms_state", {}))
+        return values[0], values[1], step
+
     def _module_state(self, module):
         """The module's state_dict, keyed as the reference's: with use_compile=True its modules
         are torch.compile wrappers, whose keys carry the _orig_mod. prefix."""
@@ -506,24 +548,22 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin):
         return type(sd)((_COMPILED_PREFIX + k, v) for k, v in sd.items())
 
     def load_state_dict(self, state_dict):
-        """Loads ours or the reference's layout. Values are copied into the existing device
-        buffers (B10 fixed: nothing lands on the CPU, a captured graph stays valid for the
-        buffers, and is re-captured for the new AdamW state). cms_state is ignored in AdamW
-        mode (the reference's holds only zeros there)."""
-        self.base_optimizer.load_state_dict(state_dict["base_optimizer"])
+        """Loads ours or the reference's layout. Every part is checked before the first write, so
+        a checkpoint that does not fit raises and leaves the optimizer as it was. Values are
+        copied into the existing device buffers (B10 fixed: nothing lands on the CPU, a captured
+        graph stays valid for the buffers, and is re-captured for the new AdamW state).
+        cms_state is ignored in AdamW mode (the reference's holds only zeros there)."""
+        mult, ema, step = self._check_state_dict(state_dict)
+        self.base_optimizer.load_state_dict(state_dict["base_optimizer"])  # checks, then writes
         self.momentum_mlp.load_state_dict(_uncompiled(state_dict["momentum_mlp"]))
         self.controller.load_state_dict(_uncompiled(state_dict["controller"]))
         self.meta_optimizer.load_state_dict(state_dict["meta_optimizer"])
         if self.mlp_optimizer is not None and "mlp_optimizer" in state_dict:
             self.mlp_optimizer.load_state_dict(state_dict["mlp_optimizer"])
-        self.global_step = int(state_dict.get("global_step", 0))
+        self.global_step = step
         with torch.no_grad():
-            mult = state_dict.get("lr_multipliers")
-            self._lr_multipliers.copy_(torch.ones(N_GROUPS) if mult is None else
-                                       torch.as_tensor(mult, dtype=torch.float32))
-            ema = state_dict.get("ema_loss")
-            self.ema_loss.copy_(torch.zeros(N_GROUPS) if ema is None else
-                                torch.as_tensor(ema, dtype=torch.float32))
+            self._lr_multipliers.copy_(mult)
+            self.ema_loss.copy_(ema)
         if self._cms is not None:
             self._cms.load_state_dict(state_dict.get("cms_state", {}))
         if self._graph is not None:

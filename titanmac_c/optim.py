@@ -133,13 +133,17 @@ class AdamW(Optimizer):
         self._check_loaded_state(state_dict)
         if hooks:
             self._optimizer_load_state_dict_pre_hooks = type(hooks)()
+        # a pending clip_grad_norm_ coefficient stays: its gradients are unchanged, as torch's
+        # clipped-in-place gradients survive a load (torch's load resets the caches through
+        # __setstate__)
+        clip_coef = self._clip_coef
         try:
             super().load_state_dict(state_dict)
         finally:
             if hooks:
                 self._optimizer_load_state_dict_pre_hooks = hooks
         self._normalize_steps(copy=True)
-        self._clip_coef = {}
+        self._clip_coef = clip_coef
         self._plan = None
 
     def _check_loaded_state(self, state_dict):
@@ -207,7 +211,7 @@ class AdamW(Optimizer):
 
         total_norm: a float32 tensor holding the norm already (e.g. group_norms().total_grad);
         then no pass over the gradients is made here. The gradients themselves are not
-        modified. zero_grad() forgets a pending coefficient.
+        modified. zero_grad() forgets a pending coefficient; load_state_dict() keeps it.
         """
         from .functional import (_NONFINITE_MESSAGE, _check_max_norm, _check_norm_type,
                                  _result_dtype)
