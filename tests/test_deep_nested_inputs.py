@@ -548,6 +548,9 @@ def _bad_checkpoints(sd):
            ("global_step", edit(lambda b: b.update(global_step=-1))),
            ("meta_optimizer groups", edit(lambda b: b["meta_optimizer"]["param_groups"][0]
                                           .update(params=[0])))]
+    if sd["base_optimizer"]["state"]:
+        out.append(("AdamW exp_avg shape", edit(lambda b: b["base_optimizer"]["state"][0].update(
+            exp_avg=torch.zeros(3)))))
     if sd["cms_state"]:
         last = max(sd["cms_state"])
         out += [("cms momentum shape", edit(lambda b: b["cms_state"][last][0].update(

@@ -499,9 +499,10 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin):
         return sd
 
     def _check_state_dict(self, state_dict):
-        """Everything load_state_dict would refuse, found before it writes: the parts' keys, the
-        modules' keys and shapes (loaded into copies), the optimizers' group sizes, the
-        multipliers' and EMA's lengths, the CMS state. Returns (multipliers, ema, global_step)."""
+        """Everything load_state_dict would refuse after its first write, found before it: the
+        parts' keys, the modules' keys and shapes (loaded into copies), the meta-optimizers'
+        group sizes, the multipliers' and EMA's lengths, global_step, the CMS state. Returns
+        (multipliers, ema, global_step)."""
         for key in ("base_optimizer", "momentum_mlp", "controller", "meta_optimizer"):
             if key not in state_dict:
                 raise KeyError(f"DeepNestedOptimizer.load_state_dict: no {key!r} in the checkpoint")
@@ -510,8 +511,9 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin):
                 copy.deepcopy(module).load_state_dict(_uncompiled(state_dict[key]))
             except RuntimeError as e:
                 raise RuntimeError(f"state_dict[{key!r}]: {e}") from None
-        optimizers = [("base_optimizer", self.base_optimizer),
-                      ("meta_optimizer", self.meta_optimizer)]
+        # base_optimizer is not checked here: its load (AdamW's: load pre-hooks, then every state
+        # tensor checked, then written) is the first write, and it writes only what it checked
+        optimizers = [("meta_optimizer", self.meta_optimizer)]
         if self.mlp_optimizer is not None and "mlp_optimizer" in state_dict:
             optimizers.append(("mlp_optimizer", self.mlp_optimizer))
         for key, opt in optimizers:
@@ -521,7 +523,6 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin):
                 raise ValueError(f"state_dict[{key!r}]: its parameter groups do not match this "
                                  f"optimizer's (sizes {[len(s['params']) for s in saved]}, "
                                  f"expected {[len(g['params']) for g in opt.param_groups]})")
-        self.base_optimizer._check_loaded_state(state_dict["base_optimizer"])
         values = []
         for key, default in (("lr_multipliers", torch.ones(N_GROUPS)),
                              ("ema_loss", torch.zeros(N_GROUPS))):
