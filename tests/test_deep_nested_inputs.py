@@ -506,8 +506,9 @@ def test_parameters_added_to_the_model_later_count_in_the_clip_norm(kw):
 
 @pytest.mark.parametrize("kw", MODES, ids=MODE_IDS)
 def test_controller_weights_replaced_between_steps_are_used_as_the_references(kw):
-    """load_state_dict(..., assign=True) on the controller swaps its Parameter objects: the next
-    steps run the new weights (ours had kept views of the old ones), as the reference does."""
+    """load_state_dict(..., assign=True) on the controller swaps its Parameter objects, and
+    `w.data = ...` its storage: the next steps run the new weights (ours had kept views of the
+    old ones), as the reference does."""
     (model_r, ref), (model_o, ours) = reference_and_ours(make_mlp_10_32_5(seed=0),
                                                          meta_update_freq=1000, **kw)
     gen = torch.Generator().manual_seed(3)
@@ -518,6 +519,10 @@ def test_controller_weights_replaced_between_steps_are_used_as_the_references(kw
             for opt in (ref, ours):
                 opt.controller.load_state_dict({k: v.clone() for k, v in new.items()},
                                                assign=True)
+        if step == 6:  # a weight's storage replaced, no registration
+            for opt in (ref, ours):
+                w = next(opt.controller.parameters())
+                w.data = w.data * 0.5
         for model, opt in ((model_r, ref), (model_o, ours)):
             opt.zero_grad()
             loss = loss_fn(model, batch)

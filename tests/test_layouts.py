@@ -39,6 +39,15 @@ def _backward(model, step):
     torch.nn.functional.mse_loss(model(x), y).backward()
 
 
+def _step_both(step, ref, ours, opt_ref, opt):
+    """One training step of torch's model and ours on the same batch; (name, torch's parameter,
+    ours) for comparing."""
+    for model, optimizer in ((ref, opt_ref), (ours, opt)):
+        _backward(model, step)
+        optimizer.step()
+    return [(name, pr, po) for (name, pr), po in zip(ref.named_parameters(), ours.parameters())]
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("amsgrad", [False, True])
@@ -50,11 +59,7 @@ def test_adamw_on_a_channels_last_model_matches_torch(device, dtype, amsgrad):
     opt_ref = torch.optim.AdamW(ref.parameters(), fused=(dtype != torch.float32), **kw)
     opt = titanmac_c.AdamW(ours.parameters(), **kw)
     for step in range(1, 9):
-        _backward(ref, step)
-        _backward(ours, step)
-        opt_ref.step()
-        opt.step()
-        for (name, pr), po in zip(ref.named_parameters(), ours.parameters()):
+        for name, pr, po in _step_both(step, ref, ours, opt_ref, opt):
             assert po.stride() == pr.stride(), name  # updated in place, layout kept
             torch.testing.assert_close(po, pr, **tol(dtype, device),
                                        msg=lambda m: f"step {step} {name}: {m}")
@@ -143,11 +148,7 @@ def test_checkpoint_resumes_in_another_memory_format_like_torch(device, saved_as
     opt.load_state_dict(copy.deepcopy(saved))
     assert ours[0].weight.stride() != saved["state"][0]["exp_avg"].stride()  # the case
     for step in range(4, 9):
-        _backward(ref, step)
-        _backward(ours, step)
-        opt_ref.step()
-        opt.step()
-        for (name, pr), po in zip(ref.named_parameters(), ours.parameters()):
+        for name, pr, po in _step_both(step, ref, ours, opt_ref, opt):
             torch.testing.assert_close(po, pr, **tol(torch.float32, device),
                                        msg=lambda m: f"step {step} {name}: {m}")
             for key in ("exp_avg", "exp_avg_sq"):

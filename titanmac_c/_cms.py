@@ -92,15 +92,21 @@ class CMSState:
         """{tensor index: {level: {momentum, step_count (int), accumulated_grad, ema_grad,
         v_sq}}}; the step counts are read from the device here (checkpointing may sync)."""
         out = {}
-        for i, p in enumerate(self.params):
+        for i in range(len(self.params)):
             counts = self.step_counts[i].tolist()
-            # one element of storage, any shape (0-d parameters included)
-            zeros = torch.zeros((), dtype=torch.float32, device=p.device).expand(p.shape)
-            out[i] = {level: dict({name: self.buffers[name][level][i]
-                                   if self.buffers[name][level] else zeros
-                                   for name in CMS_BUFFERS}, step_count=int(counts[level]))
+            out[i] = {level: dict({name: self.buffer(name, level, i) for name in CMS_BUFFERS},
+                                  step_count=int(counts[level]))
                       for level in range(self.k)}
         return out
+
+    def buffer(self, name, level, i):
+        """Tensor i's buffer `name` of `level`: the live one, or for a buffer not kept zeros of
+        the parameter's shape with one element of storage (0-d parameters included)."""
+        kept = self.buffers[name][level]
+        if kept:
+            return kept[i]
+        p = self.params[i]
+        return torch.zeros((), dtype=torch.float32, device=p.device).expand(p.shape)
 
     def check_state_dict(self, cms_state):
         """Raises ValueError for a cms_state this state cannot load; writes nothing."""
@@ -122,10 +128,10 @@ class CMSState:
 
     @torch.no_grad()
     def load_state_dict(self, cms_state):
-        """Copies into the existing buffers (after check_state_dict); a missing ema_grad / v_sq
-        (older checkpoints) loads as zeros, as in the reference. Values of buffers not kept are
-        checked and dropped."""
-        self.check_state_dict(cms_state)
+        """Copies into the existing buffers; the caller has passed cms_state through
+        check_state_dict (DeepNestedOptimizer checks every part of a checkpoint before its first
+        write). A missing ema_grad / v_sq (older checkpoints) loads as zeros, as in the
+        reference; values of buffers not kept were checked and are dropped."""
         for i, levels in cms_state.items():
             for level, saved in levels.items():
                 for name in CMS_BUFFERS:
@@ -147,11 +153,7 @@ class CMSLevelView:
         self._cms, self._i, self._level = cms, i, level
 
     def _buffer(self, name):
-        level = self._cms.buffers[name][self._level]
-        if level:
-            return level[self._i]
-        p = self._cms.params[self._i]
-        return torch.zeros((), dtype=torch.float32, device=p.device).expand(p.shape)
+        return self._cms.buffer(name, self._level, self._i)
 
     momentum = property(lambda self: self._buffer("momentum"))
     accumulated_grad = property(lambda self: self._buffer("accumulated_grad"))
@@ -353,7 +355,7 @@ class CMSModeMixin:
             _C.cms_step(
                 params, grads, lists["momentum"], lists["accumulated_grad"], lists["ema_grad"],
                 lists["v_sq"], [cms.step_counts[i] for i in idx], self._lr, group_of,
-                [w.detach() for w in self.momentum_mlp.parameters()],
+                self._weights_of("momentum_mlp"),
                 fires=cms.fires(t), divisors=[float(max(f, 1)) for f in self.cms_frequencies],
                 ema_decays=cms.ema_decays, net=net, hidden=hidden,
                 layers=self.momentum_num_layers, weight_decay=self.weight_decay, t=float(t),

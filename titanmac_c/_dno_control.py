@@ -33,7 +33,7 @@ def watch_model_edits():
 class ControlStepMixin:
     """Needs from the optimizer: base_optimizer, controller, device, the device buffers _norms,
     _loss, _lr_multipliers, ema_loss, _lr, _coef, skipped, the hyperparameters it passes, and
-    _controller_views = None (the cache of _controller_weights)."""
+    _weight_views = {} (the cache of _weights_of)."""
 
     def _gather(self, with_params):
         """Grads (and params) of the grouped tensors that have a gradient, with group indices;
@@ -132,18 +132,22 @@ class ControlStepMixin:
             return grad_norms, param_norms
         return torch.log1p(grad_norms) / 10.0, torch.log1p(param_norms) / 10.0
 
-    def _controller_weights(self):
-        """Detached views of the controller's current weights, rebuilt only when a parameter was
-        replaced (the module itself, `load_state_dict(..., assign=True)`, a new nn.Parameter) or
-        a weight's storage moved (`p.data = ...`); meta-updates and plain loads write in place."""
-        params = list(self.controller.parameters())
-        cached = self._controller_views
-        if (cached is None or len(cached[0]) != len(params)
-                or any(a is not b or v.data_ptr() != b.data_ptr()
-                       for a, b, v in zip(cached[0], params, cached[1]))):
-            cached = (params, [p.detach() for p in params])
-            self._controller_views = cached
-        return cached[1]
+    def _weights_of(self, name):
+        """Detached views of the current weights of the module self.<name> (the controller, the
+        momentum network), for the C calls. Walking a module's parameters costs ~7 us, so the
+        list is taken again only when the module object changed or torch registered a parameter
+        or submodule anywhere since (watch_model_edits: `load_state_dict(..., assign=True)`, a
+        new nn.Parameter), and the views again when a weight's storage moved (`p.data = ...`);
+        meta-updates and plain loads write in place."""
+        module = getattr(self, name)
+        entry = self._weight_views.get(name)
+        if entry is None or entry[0] is not module or entry[1] != _MODEL_EDITS[0]:
+            params = list(module.parameters())
+            entry = (module, _MODEL_EDITS[0], params, [p.detach() for p in params])
+        elif any(v.data_ptr() != p.data_ptr() for p, v in zip(entry[2], entry[3])):
+            entry = entry[:3] + ([p.detach() for p in entry[2]],)
+        self._weight_views[name] = entry
+        return entry[3]
 
     def _control(self, t, update, check_loss, base_lr=None):
         g = N_GROUPS
@@ -151,7 +155,7 @@ class ControlStepMixin:
         grad_in, param_in = self._controller_inputs(n[0:g], n[g:2 * g])
         _C.dno_control(
             grad_in, param_in, n[2 * g:], self.group_depths, self._loss,
-            self._controller_weights(), self._lr_multipliers,
+            self._weights_of("controller"), self._lr_multipliers,
             self.ema_loss, self._lr, self._coef, self.skipped,
             hidden=self.controller_hidden_dim, layers=self.controller_num_layers,
             update_controller=update, first_step=(t == 1), check_loss=check_loss,

@@ -50,9 +50,9 @@ class GraphState:
         since the capture (`p.data = ...`, a module's `load_state_dict(..., assign=True)`) would
         leave the graphs on the old memory, so they are captured again."""
         opt = self.opt
-        weights = list(opt.controller.parameters())
+        weights = opt._weights_of("controller")
         if opt._cms is not None:
-            weights += list(opt.momentum_mlp.parameters())
+            weights = weights + opt._weights_of("momentum_mlp")
         return tuple(t.data_ptr() for t in params) + tuple(w.data_ptr() for w in weights)
 
     def _bind_grads(self, params):

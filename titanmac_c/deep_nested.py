@@ -241,7 +241,7 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin):
         self._mlp_output_history = {}  # tensor index -> last Phase-1 output (not checkpointed)
         self._last_surrogate_loss = None
         self._cms_scratch = Scratch()
-        self._controller_views = None  # (the controller's parameters, their detached views)
+        self._weight_views = {}  # module name -> (module, edit count, parameters, views)
         self.global_step = 0
         self.last_meta_loss = None
         self.controller_grad_norm = 0.0
