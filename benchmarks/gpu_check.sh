@@ -7,14 +7,14 @@
 # Usage: bash benchmarks/gpu_check.sh            (from the repository root; needs torch + nvcc)
 #        On a lent machine (10 minutes a call, 30 a session; H100 timings of 2026-11-22: build
 #        ~30 s, tests ~155 s, memcheck and racecheck ~5 and ~20 s a test), three calls:
-#          OUT=$OUT PACK=1 STEPS="build tests train_cms" bash benchmarks/gpu_check.sh
+#          OUT=$OUT PACK=1 STEPS="build tests train_cms phase1" bash benchmarks/gpu_check.sh
 #          OUT=$OUT PACK=1 STEPS="build racecheck memcheck" SAN_TIMEOUT=270 bash ...
 #          OUT=$OUT PACK=1 STEPS="build bench host train train_legacy profile" bash ...
 # Env:   TITANMAC_CUDA_ARCHS  defaults to the compute capability of GPU 0 (fast build)
 #        OUT                  folder for logs and JSON (default benchmarks/out)
 #        STEPS                which checks to run, always in the script's order (default:
 #                             all: "build tests racecheck memcheck bench host train train_cms
-#                             train_legacy profile")
+#                             phase1 train_legacy profile")
 #        PACK=1               at the end, pack every file in OUT but summary.txt into
 #                             OUT/gpu_check.tar.gz (a lent machine returns only a few files)
 #        SAN_K, RACE_K        pytest -k selections of memcheck and racecheck (defaults below)
@@ -26,7 +26,7 @@ OUT=${OUT:-benchmarks/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 declare -A RESULT
-ALL_STEPS="build tests racecheck memcheck bench host train train_cms train_legacy profile"
+ALL_STEPS="build tests racecheck memcheck bench host train train_cms phase1 train_legacy profile"
 STEPS=${STEPS:-$ALL_STEPS}
 
 step() {  # step NAME COMMAND...: run, log to $OUT/NAME.log, remember pass/fail
@@ -74,6 +74,7 @@ step train python3 benchmarks/bench_train.py --device cuda --steps 100 \
     --out "$OUT/bench_train_cuda.json"
 step train_cms python3 benchmarks/bench_train.py --device cuda --mode cms --steps 100 \
     --out "$OUT/bench_train_cms_cuda.json"
+step phase1 python3 benchmarks/bench_phase1.py --device cuda
 step train_legacy python3 benchmarks/bench_train.py --device cuda --mode cms --net legacy \
     --steps 100 --out "$OUT/bench_train_legacy_cuda.json"
 step profile python3 benchmarks/profile_step.py --device cuda --sizes titanmac,d1024l8 \

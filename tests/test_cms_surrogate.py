@@ -1,22 +1,29 @@
-"""_C.cms_surrogate (tm_cms_surrogate, Phase 1 of the CMS step on the CPU) against autograd of
-the reference in float64: the gradient of mean_i compute_surrogate_loss(MLP(g_i, m_i), g_i,
-prev_i) over the DirectUpdateMLP's weights (spec deep_nested_optimizer.md 7.2, 7.4; the
+"""Phase 1 of the CMS step, both implementations: _C.cms_surrogate (tm_cms_surrogate, the CPU's)
+and _surrogate.surrogate_gradient (its algorithm in torch ops, CUDA's; run here on every device,
+also with chunks small enough to split tensors), against autograd of the reference in float64:
+the gradient of mean_i compute_surrogate_loss(MLP(g_i, m_i), g_i, prev_i) over the
+DirectUpdateMLP's weights (spec deep_nested_optimizer.md 7.2, 7.4; the
 reference's preprocess_gradient, net and loss, evaluated in double), element by element, over
 several Phase 1 steps (each step's outputs are the next step's prev, and the MLP takes an Adam
 step between them); the temporal term's gradient on its own (the difference of two calls, with
-and without prev); plus its argument checks.
+and without prev); plus the C op's argument checks.
 
 Tolerance: every entry of a gradient tensor within GRAD_RTOL of that tensor's largest entry
-(measured <= 1.5e-7; torch's float32 autograd itself is up to 5e-5 off, its matmul summing
-65,537 rows in float), outputs within 1e-5 of their max, losses 1e-5 relative.
+(measured <= 9e-7 for the C op, which sums the weights' gradients in double, 5.8e-7 for the
+torch ops, which sum 64 rows in float32 and those sums in double; torch's float32 autograd itself
+is up to 1.6e-4 off here, its matmul summing 65,537 rows in float), outputs within 1e-5 of their
+max, losses 1e-5 relative.
 """
 
 import copy
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from conftest import DEVICES
 from titanmac_c import _C
+from titanmac_c._surrogate import SurrogatePlan, surrogate_gradient
 from titanmac_c._reference_dno import (DirectUpdateMLP, compute_surrogate_loss,
                                        preprocess_gradient)
 
@@ -69,13 +76,42 @@ def _reference(mlp, targets, moms, prevs, scale, divisor, grad_dtype=torch.float
             torch.stack(losses).detach().float(), outs)
 
 
-def _ours(mlp, targets, moms, outputs, has_prev, scale, divisor, hidden, layers, **kw):
-    grads = [torch.full_like(p, float("nan")) for p in mlp.parameters()]
-    losses = torch.full((len(targets),), float("nan"))
-    _C.cms_surrogate(targets, moms, outputs, [p.detach() for p in mlp.parameters()], grads,
-                     losses, divisor=divisor, hidden=hidden, layers=layers, has_prev=has_prev,
-                     scale=scale, **kw)
-    return grads, losses
+# The implementations: the C op on the CPU; the torch ops on every device, with their default
+# chunks (each tensor here in one) and with 1,000-element chunks (tensors split across chunks,
+# chunks holding pieces of several tensors).
+IMPLS = [
+    pytest.param(("c", "cpu", None), id="c_op"),
+    pytest.param(("torch", "cpu", None), id="torch-cpu"),
+    pytest.param(("torch", "cpu", 1000), id="torch-cpu-chunk1000"),
+    pytest.param(("torch", "cuda", None), id="torch-cuda", marks=DEVICES[1].marks),
+    pytest.param(("torch", "cuda", 1000), id="torch-cuda-chunk1000", marks=DEVICES[1].marks),
+]
+
+
+def _ours(mlp, targets, moms, outputs, has_prev, scale, divisor, hidden, layers,
+          impl=("c", "cpu", None), **kw):
+    """One call of the implementation; returns (weight gradients, losses) on the CPU, outputs
+    written in place (copied back from the device)."""
+    kind, device, chunk = impl
+    if kind == "c":
+        grads = [torch.full_like(p, float("nan")) for p in mlp.parameters()]
+        losses = torch.full((len(targets),), float("nan"))
+        _C.cms_surrogate(targets, moms, outputs, [p.detach() for p in mlp.parameters()], grads,
+                         losses, divisor=divisor, hidden=hidden, layers=layers,
+                         has_prev=has_prev, scale=scale, **kw)
+        return grads, losses
+    weights = [p.detach().to(device) for p in mlp.parameters()]
+    grads = [torch.full_like(w, float("nan")) for w in weights]
+    losses = torch.full((len(targets),), float("nan"), device=device)
+    on_device = [o.to(device) for o in outputs]
+    plan = SurrogatePlan([t.numel() for t in targets], torch.device(device), chunk=chunk)
+    surrogate_gradient(
+        [t.to(device) for t in targets], [m.to(device) for m in moms], on_device, weights, grads,
+        losses, divisor=divisor, scale=None if scale is None else scale.to(device),
+        has_prev=has_prev if has_prev is not None else [False] * len(targets), plan=plan)
+    for o, d in zip(outputs, on_device):
+        o.copy_(d)
+    return [g.cpu() for g in grads], losses.cpu()
 
 
 def _assert_grads(ours, ref, names, step):
@@ -86,7 +122,8 @@ def _assert_grads(ours, ref, names, step):
 
 @pytest.mark.parametrize("hidden,layers", [(20, 2), (7, 1), (20, 3), (13, 2), (20, 8)])
 @pytest.mark.parametrize("kind", ["zero", "grad", "tiny"])
-def test_gradient_matches_autograd_over_steps(hidden, layers, kind):
+@pytest.mark.parametrize("impl", IMPLS)
+def test_gradient_matches_autograd_over_steps(hidden, layers, kind, impl):
     gen = torch.Generator().manual_seed(hidden * 10 + layers)
     mlp = _mlp(hidden, layers)
     names = [n for n, _ in mlp.named_parameters()]
@@ -102,7 +139,7 @@ def test_gradient_matches_autograd_over_steps(hidden, layers, kind):
         prev_in = [prevs[i] if has_prev[i] else None for i in range(len(SIZES))]
         g_ref, l_ref, o_ref = _reference(mlp, targets, moms, prev_in, scale, divisor)
         g_ours, l_ours = _ours(mlp, targets, moms, outputs, has_prev, scale, divisor,
-                               hidden, layers)
+                               hidden, layers, impl)
         _assert_grads(g_ours, g_ref, names, step)
         torch.testing.assert_close(l_ours, l_ref, rtol=1e-5, atol=1e-12)
         for i, (o, r) in enumerate(zip(outputs, o_ref)):
@@ -119,7 +156,8 @@ def test_gradient_matches_autograd_over_steps(hidden, layers, kind):
 
 @pytest.mark.parametrize("hidden,layers", [(20, 2), (7, 1), (20, 3), (13, 2), (20, 8)])
 @pytest.mark.parametrize("offset", [0.01, 2.0])
-def test_temporal_term_gradient_in_isolation(hidden, layers, offset):
+@pytest.mark.parametrize("impl", IMPLS)
+def test_temporal_term_gradient_in_isolation(hidden, layers, offset, impl):
     """The temporal term T = 0.1 mean((o - prev)^2) (spec 7.4) adds 0.2 (o - prev) / numel to
     d loss / d o: in the test above it sits below the float32 rounding of the whole gradient (R
     and M summed over 65,537 elements), where a 50% error in it passes. Only T depends on prev,
@@ -148,9 +186,9 @@ def test_temporal_term_gradient_in_isolation(hidden, layers, offset):
     prev_in = [p if h else None for p, h in zip(prevs, has_prev)]
     ref_with, _, _ = _reference(mlp, targets, moms, prev_in, None, 1.0, grad_dtype=torch.float64)
     ours_with, _ = _ours(mlp, targets, moms, [p.clone() for p in prevs], has_prev, None, 1.0,
-                         hidden, layers)
+                         hidden, layers, impl)
     ours_without, _ = _ours(mlp, targets, moms, [p.clone() for p in prevs], [False] * len(SIZES),
-                            None, 1.0, hidden, layers)
+                            None, 1.0, hidden, layers, impl)
     for name, a1, a0, b1, b0 in zip(names, ours_with, ours_without, ref_with, ref_without):
         diff = b1 - b0
         assert diff.abs().max() > 0, f"{name}: T has no gradient here, the check is void"
@@ -159,7 +197,8 @@ def test_temporal_term_gradient_in_isolation(hidden, layers, offset):
                                    msg=lambda m: f"offset {offset} {name}: {m}")
 
 
-def test_bf16_targets_and_tiny_norms():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_bf16_targets_and_tiny_norms(impl):
     """bf16 gradients as targets (the corrected B1), and a tensor whose norms are each above the
     1e-8 threshold while their product is below it (F.cosine_similarity clamps each norm, not
     the product)."""
@@ -174,22 +213,78 @@ def test_bf16_targets_and_tiny_norms():
     scale = torch.tensor([0.5])
     g_ref, l_ref, _ = _reference(mlp, targets, moms, [None] * len(SIZES), scale, 1.0)
     outputs = [torch.empty(s) for s in SIZES]
-    g_ours, l_ours = _ours(mlp, targets, moms, outputs, None, scale, 1.0, 20, 2)
+    g_ours, l_ours = _ours(mlp, targets, moms, outputs, None, scale, 1.0, 20, 2, impl)
     _assert_grads(g_ours, g_ref, [n for n, _ in mlp.named_parameters()], 0)
     torch.testing.assert_close(l_ours, l_ref, rtol=1e-5, atol=1e-12)
 
 
-def test_nan_momentum_poisons_the_gradient_as_in_autograd():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_nan_momentum_poisons_the_gradient_as_in_autograd(impl):
     gen = torch.Generator().manual_seed(2)
     mlp = _mlp(20, 2)
     targets, moms = _inputs("zero", gen)
     moms[2][7] = float("nan")
     g_ref, l_ref, _ = _reference(mlp, targets, moms, [None] * len(SIZES), None, 1.0)
     g_ours, l_ours = _ours(mlp, targets, moms, [torch.empty(s) for s in SIZES], None, None, 1.0,
-                           20, 2)
+                           20, 2, impl)
     for a, b in zip(g_ours, g_ref):
         assert torch.equal(a.isnan(), b.isnan())
     assert torch.equal(l_ours.isnan(), l_ref.isnan())
+
+
+# ATen ops that read a device value on the host (a sync on CUDA) or make a tensor from host data
+# (a host-to-device copy, which synchronizes from pageable memory)
+HOST_READS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select",
+              "aten::is_nonzero", "aten::equal", "aten::lift_fresh", "aten::lift_fresh_copy"}
+
+
+class _RecordOps(TorchDispatchMode):
+    """Every ATen op below this mode, and those that would stall a CUDA stream."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.host_reads = 0, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        name = func._schema.name
+        bool_index = (func is torch.ops.aten.index.Tensor and
+                      any(i is not None and i.dtype == torch.bool for i in args[1]))
+        if name in HOST_READS or bool_index:
+            self.host_reads.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_torch_ops_read_nothing_back(device):
+    """CUDA's Phase 1 adds no host sync (acceptance 2 of the CMS issue): on every device no op of
+    surrogate_gradient reads a value back or copies host data in (with the plan made before, as
+    the optimizer keeps it), with tensors split across chunks and both kinds of tensors (with and
+    without a previous output, g zero and not); on CUDA also under sync debug mode "error"."""
+    gen = torch.Generator().manual_seed(4)
+    mlp = _mlp(20, 2)
+    targets, moms = _inputs("grad", gen)
+    args = ([t.to(device) for t in targets], [m.to(device) for m in moms],
+            [torch.randn(s, generator=gen).to(device) for s in SIZES],
+            [p.detach().to(device) for p in mlp.parameters()],
+            [torch.empty_like(p, device=device) for p in mlp.parameters()],
+            torch.empty(len(SIZES), device=device))
+    plan = SurrogatePlan([t.numel() for t in targets], torch.device(device), chunk=1000)
+    has_prev = [i % 2 == 0 for i in range(len(SIZES))]
+    scale = torch.tensor([0.5], device=device)
+    record = _RecordOps()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        with record:
+            surrogate_gradient(*args, divisor=2.0, has_prev=has_prev, scale=scale, plan=plan)
+    finally:
+        if device == "cuda":
+            torch.cuda.set_sync_debug_mode(0)
+    assert record.ops > 100, "the mode saw no ops: the check is void"
+    assert not record.host_reads, record.host_reads
+    assert all(torch.isfinite(g).all() for g in args[4])
 
 
 def _run_bits(num_threads):

@@ -282,3 +282,19 @@ def test_bench_host_tiny_run_prints_every_row(capsys):
     rows = [line for line in out.splitlines() if "tensors" in line]
     assert len(rows) == 4, out
     assert all(float(line.split()[-1]) > 0.0 for line in rows)
+
+
+# -------------------------------------------------------------------------- bench_phase1.py
+
+def test_bench_phase1_tiny_run_counts_every_implementation(capsys):
+    """One Phase 1 of each implementation on the CPU: every row printed with its ATen op count;
+    CUDA's torch ops dispatch well under the reference autograd's count (the host time they
+    exist to cut: ~800 against ~2,200, benchmarks/RESULTS.md)."""
+    _load("bench_phase1").main(["--reps", "1", "--steps", "1"])
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split() for line in out.splitlines()
+            if line.split() and line.split()[0] in ("reference", "torch_ops", "c_op")}
+    assert set(rows) == {"reference", "torch_ops", "c_op"}, out
+    ops = {k: int(v[1]) for k, v in rows.items()}
+    assert all(float(v[2]) > 0.0 for v in rows.values()), out
+    assert 0 < ops["c_op"] < ops["torch_ops"] < ops["reference"] / 2, ops

@@ -224,7 +224,7 @@ def test_corrected_direct_network_step_by_step():
     differences (tests/test_deep_nested_cms.py), so each step starts from the reference's state
     (sync_cms_from_reference) and checks that step's computation: parameters, CMS buffers, fire
     counts and multipliers as in the free run, and on each Phase 1 step (every 5) the surrogate
-    loss (rtol 1e-5, as test_b1_phase1_on_the_cpu_trains_like_the_autograd_path) and every MLP
+    loss (rtol 1e-5, as test_b1_phase1_in_the_c_core_trains_like_the_torch_ops) and every MLP
     weight (MLP_STEP_TOL) trained on the current clipped gradient (B1)."""
     (model_r, ref), (model_o, ours) = _corrected_pair(
         use_cms_updates=True, cms_frequencies=FREQS, weight_decay=0.01, meta_update_freq=20)
@@ -242,16 +242,16 @@ def test_corrected_direct_network_step_by_step():
         _compare(ref, ours, model_r, model_o, step)
 
 
-def test_b1_phase1_on_the_cpu_trains_like_the_autograd_path():
-    """With the fix Phase 1's target is the clipped gradient (the C core's normed path, the
-    cosine term active). From one state (a deep copy before each step: the DirectUpdateMLP
-    dynamics would amplify rounding, spec 7), the CPU's Phase 1 (tm_cms_surrogate) and the
-    autograd Phase 1 (CUDA's, with torch's bits) move the MLP alike: every weight within 1e-3 of
-    the Adam step size (lr 1e-3), the surrogate losses within 1e-5."""
+def test_b1_phase1_in_the_c_core_trains_like_the_torch_ops():
+    """With the fix Phase 1's target is the clipped gradient (the normed path, the cosine term
+    active). From one state (a deep copy before each step: the DirectUpdateMLP dynamics would
+    amplify rounding, spec 7), the CPU's Phase 1 (tm_cms_surrogate) and CUDA's (its algorithm
+    in torch ops, run here on the CPU) move the MLP alike: every weight within 1e-3 of the Adam
+    step size (lr 1e-3), the surrogate losses within 1e-5; the loss is the spec's."""
     model, opt = _opt(max_grad_norm=0.5)
     for step, batch in enumerate(synthetic_batches("mlp", 15, seed=4), start=1):
         model_b, opt_b = copy.deepcopy((model, opt))
-        opt_b._phase1_fused = opt_b._phase1_autograd
+        opt_b._phase1_in_c_core = False
         before = (copy.deepcopy(opt.momentum_mlp),
                   [opt.state[p].levels[0].momentum.clone() for p in model.parameters()],
                   {i: o.clone() for i, o in opt._mlp_output_history.items()})

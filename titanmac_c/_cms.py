@@ -1,6 +1,6 @@
 """CMS mode of the DeepNestedOptimizer (spec section 7): the state it keeps, Phase 1 (surrogate
-training of DirectUpdateMLP: its gradient from the C core on the CPU, torch autograd without host
-syncs on CUDA) and the checkpoint layout.
+training of DirectUpdateMLP: its gradient from the C core on the CPU, from the same algorithm in
+torch ops, without host syncs, on CUDA) and the checkpoint layout.
 Phase 2, the parameter update, is one call of the C core (tm_cms_step).
 
 State per tensor and level l < K, of the reference's ContinuumMemoryState only what some
@@ -34,6 +34,7 @@ from ._reference_dno import (
     _tensor_stats,
 )
 from ._runtime import exec_kwargs, mark_written
+from ._surrogate import SurrogatePlan, surrogate_gradient
 
 CMS_BUFFERS = ("momentum", "accumulated_grad", "ema_grad", "v_sq")
 
@@ -193,26 +194,6 @@ class ParamCMSView:
         return f"ParamCMSView(tensor {self._i}, frequencies {self.frequencies})"
 
 
-def surrogate_loss(output, target, prev_output=None):
-    """Spec 7.4, R + 0.1 M + T, with the reference's branches on norms as torch.where (no host
-    sync); the unused branch is computed on safe denominators so it cannot poison gradients."""
-    o = output.reshape(-1)
-    g = target.reshape(-1)
-    eps = 1e-8
-    g_norm, o_norm = g.norm(), o.norm()
-    g_ok, o_ok = g_norm > eps, o_norm > eps
-    # the reference's F.cosine_similarity (each norm clamped to >= eps, with no gradient through
-    # the clamp: finite on the zero target of B1, where the select drops it)
-    cos = torch.nn.functional.cosine_similarity(o, g, dim=0, eps=eps)
-    direction = torch.where(g_ok & o_ok, 1.0 - cos, torch.zeros_like(cos))
-    magnitude = torch.where(g_ok, (o_norm / torch.clamp(g_norm, min=eps) - 1.0) ** 2,
-                            o_norm ** 2)
-    loss = direction + 0.1 * magnitude
-    if prev_output is not None and prev_output.shape == output.shape:
-        loss = loss + 0.1 * torch.mean((output - prev_output) ** 2)
-    return loss
-
-
 def select_phase1_tensors(param_groups):
     """The first (at most) 20 tensors with a gradient, walking the groups in order (7.2)."""
     selected = []
@@ -250,22 +231,19 @@ class CMSModeMixin:
     """The CMS-mode steps of DeepNestedOptimizer (its attributes: _cms, momentum_mlp,
     mlp_optimizer, base_optimizer, _lr, _coef, skipped, _loss, ...)."""
 
-
     def _phase1(self, t):
         """Spec 7.2 Phase 1, every mlp_train_freq steps with DirectUpdateMLP: the surrogate
         training on the first 20 tensors with a gradient. Its input is the level-0 accumulator,
         zero at this point in the reference (B1). On the CPU the loss's gradient comes from the
-        C core (tm_cms_surrogate); on CUDA from torch autograd, which is fast there."""
+        C core (tm_cms_surrogate); on CUDA from its algorithm in torch ops
+        (_surrogate.surrogate_gradient)."""
         if not self.use_preprocessing or t % self.mlp_train_freq != 0:
             return
         selected = select_phase1_tensors(self.base_optimizer.param_groups)
         if not selected:
             return
         self.mlp_optimizer.zero_grad()
-        if self.device.type == "cpu":
-            total = self._phase1_fused(selected)
-        else:
-            total = self._phase1_autograd(selected)
+        total = self._phase1_gradient(selected)
         # The reference's clip (torch ops, no host sync) and Adam step.
         _fused_clip_grad_norm_(self.momentum_mlp.parameters(), META_GRAD_CLIP, inplace=True)
         self.mlp_optimizer.step()
@@ -281,11 +259,12 @@ class CMSModeMixin:
         acc = self._cms.buffers["accumulated_grad"][0]
         return [acc[self._cms.index[p]] for p in selected], None, divisor
 
-    def _phase1_fused(self, selected):
-        """The loss's gradient by the C core: one call over the selected tensors, the MLP's
-        .grad written (the mean over tensors, as the reference's backward of the stacked mean),
-        each tensor's output kept in place as the next call's previous output. The activations
-        are never stored: the reference's autograd holds [numel, H] floats per layer."""
+    def _phase1_gradient(self, selected):
+        """The surrogate loss's gradient over the selected tensors into the MLP's .grad (the
+        mean over tensors, as the reference's backward of the stacked mean), each tensor's output
+        kept in place as the next call's previous output; returns the mean loss. The activations
+        are never all stored: the reference's autograd holds [numel, H] floats per layer for
+        every tensor until its backward (~1.3 GB on the 3.2M-parameter TitanMAC-like model)."""
         cms = self._cms
         targets, scale, divisor = self._phase1_targets(selected)
         idx = [cms.index[p] for p in selected]
@@ -295,44 +274,28 @@ class CMSModeMixin:
         for i, p, prev in zip(idx, selected, has_prev):
             if not prev:  # the first call on this tensor (or a history of another shape)
                 history[i] = torch.empty(p.shape, dtype=torch.float32, device=p.device)
-        weights = list(self.momentum_mlp.parameters())
-        for w in weights:
+        momenta = [cms.buffers["momentum"][0][i] for i in idx]
+        outputs = [history[i] for i in idx]
+        grads = []
+        for w in self.momentum_mlp.parameters():
             w.grad = torch.empty_like(w)
+            grads.append(w.grad)
+        weights = self._weights_of("momentum_mlp")
         losses = torch.empty(len(selected), dtype=torch.float32, device=self.device)
-        _C.cms_surrogate(
-            targets, [cms.buffers["momentum"][0][i] for i in idx], [history[i] for i in idx],
-            [w.detach() for w in weights], [w.grad for w in weights], losses, divisor=divisor,
-            hidden=min(self.momentum_hidden_dim, DIRECT_MLP_MAX_HIDDEN),
-            layers=self.momentum_num_layers, has_prev=has_prev, scale=scale,
-            **exec_kwargs(self.device))
+        if self._phase1_in_c_core:
+            _C.cms_surrogate(
+                targets, momenta, outputs, weights, grads, losses, divisor=divisor,
+                hidden=min(self.momentum_hidden_dim, DIRECT_MLP_MAX_HIDDEN),
+                layers=self.momentum_num_layers, has_prev=has_prev, scale=scale,
+                **exec_kwargs(self.device))
+        else:
+            sizes = tuple(p.numel() for p in selected)
+            if sizes not in self._phase1_plans:  # one layout at a time: the selection is stable
+                self._phase1_plans = {sizes: SurrogatePlan(sizes, self.device)}
+            surrogate_gradient(targets, momenta, outputs, weights, grads, losses,
+                               divisor=divisor, has_prev=has_prev, scale=scale,
+                               plan=self._phase1_plans[sizes])
         return losses.mean()
-
-    def _phase1_autograd(self, selected):
-        """The loss's gradient by torch autograd, with the reference's bits (tested on the CPU):
-        the DirectUpdateMLP dynamics amplify a 1-ulp difference in its weights (spec 7; measured
-        in tests/test_deep_nested_cms.py). The reference's branches on norms are device-side
-        selects, so this adds no host sync."""
-        cms = self._cms
-        targets, scale, divisor = self._phase1_targets(selected)
-        n = len(selected)
-        losses = [None] * n
-        with torch.enable_grad():
-            # The reference takes one backward of mean(stack(losses)), holding every tensor's
-            # graph ([numel, H] activations per layer: ~1.3 GB on the 3.2M-parameter TitanMAC-like
-            # model) until then. Here each tensor's loss goes backward at once, scaled by 1 / n as
-            # MeanBackward scales it, last tensor first: the order in which that single backward
-            # delivers the branches' weight gradients (highest sequence number first), so .grad
-            # sums the same terms in the same order and the result has the same bits.
-            for j in reversed(range(n)):
-                i = cms.index[selected[j]]
-                g0 = targets[j].detach().float()
-                g0 = (g0 * scale if scale is not None else g0) / divisor
-                out = self.momentum_mlp(g0, cms.buffers["momentum"][0][i].detach())
-                loss = surrogate_loss(out, g0, self._mlp_output_history.get(i))
-                (loss / n).backward()
-                losses[j] = loss.detach()
-                self._mlp_output_history[i] = out.detach().clone()
-        return torch.stack(losses).mean()
 
     def _cms_phase2(self, t):
         """Spec 7.2 Phase 2 for every grouped tensor with a gradient: one tm_cms_step call."""

@@ -239,6 +239,10 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin):
             init_output_on_sign(self.momentum_mlp)
         self.state = self._cms.public_view() if self._cms is not None else {}
         self._mlp_output_history = {}  # tensor index -> last Phase-1 output (not checkpointed)
+        # Phase 1's gradient: the C core's op on the CPU, the same algorithm in torch ops on
+        # CUDA (the tests run that on the CPU too), with its chunks for the selected sizes
+        self._phase1_in_c_core = self.device.type == "cpu"
+        self._phase1_plans = {}
         self._last_surrogate_loss = None
         self._cms_scratch = Scratch()
         self._weight_views = {}  # module name -> (module, edit count, parameters, views)
