@@ -219,6 +219,31 @@ def test_bf16_targets_and_tiny_norms(impl):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+def test_empty_tensors_as_the_reference(impl):
+    """Tensors of no elements among the selected: their loss is 0 the first time and NaN once
+    they have a previous output (the reference's temporal mean over no elements), and they add
+    nothing to the gradient."""
+    gen = torch.Generator().manual_seed(6)
+    mlp = _mlp(20, 2)
+    sizes = [0, 300, 0, 5]
+    targets = [torch.randn(n, generator=gen) * 1e-3 for n in sizes]
+    moms = [torch.randn(n, generator=gen) * 1e-2 for n in sizes]
+    names = [n for n, _ in mlp.named_parameters()]
+    outputs = [torch.empty(n) for n in sizes]
+    prevs = [None] * len(sizes)
+    for step in range(2):
+        g_ref, l_ref, o_ref = _reference(mlp, targets, moms, prevs, None, 1.0)
+        g_ours, l_ours = _ours(mlp, targets, moms, outputs, [p is not None for p in prevs], None,
+                               1.0, 20, 2, impl)
+        _assert_grads(g_ours, g_ref, names, step)
+        assert torch.equal(l_ours.isnan(), l_ref.isnan()) and l_ref.isnan().sum() == 2 * step
+        torch.testing.assert_close(l_ours, l_ref, rtol=1e-5, atol=1e-12, equal_nan=True)
+        prevs = o_ref
+        for o, r in zip(outputs, o_ref):
+            o.copy_(r)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_nan_momentum_poisons_the_gradient_as_in_autograd(impl):
     gen = torch.Generator().manual_seed(2)
     mlp = _mlp(20, 2)

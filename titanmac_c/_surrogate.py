@@ -71,7 +71,8 @@ class SurrogatePlan:
         def vector(values, dtype):
             return torch.stack([torch.full((), v, dtype=dtype, device=device) for v in values])
 
-        # an empty tensor's temporal mean is taken as 0 (the reference's would be 0 / 0)
+        # an empty tensor's 1 / numel is 1 (its (o - prev) sum is 0; surrogate_gradient makes its
+        # loss NaN where it has a previous output, the reference's mean over no elements)
         self.inv_numel = vector([1.0 / max(n, 1) for n in sizes], torch.float64)
         self.tensor_of = [vector([j for j, _, _ in c], torch.int64) for c in self.chunks]
         self.lengths = [vector([b - a for _, a, b in c], torch.int64) for c in self.chunks]
@@ -222,3 +223,6 @@ def surrogate_gradient(targets, momentum, outputs, weights, weight_grads, losses
         for wg, acc in zip(weight_grads, grads):
             wg.copy_(acc)
         losses.copy_(tensor_losses)
+        for j, t in enumerate(targets):
+            if has_prev[j] and t.numel() == 0:
+                losses[j] = math.nan  # the temporal mean over no elements, as the reference's
