@@ -90,7 +90,7 @@ class GraphState:
         # One graph per kind of step: controller or not, and (CMS) which levels fire.
         key = (update,) if opt._cms is None else (update, tuple(opt._cms.fires(t)))
         if opt._cms is not None:
-            opt._phase1(t)  # the MLP's training (torch autograd on CUDA): before the graph
+            opt._phase1(t)  # the MLP's training (torch ops, eager): before the graph
         with prof.step_range(prof.GRAPH):
             graph = self.graphs.get(key)
             if graph is None:

@@ -153,7 +153,7 @@ tm_cms_surrogate(const tm_cms_surrogate_tensors *t, const tm_cms_surrogate_args 
         char dev[TM_DEVICE_TEXT];
         return tm_set_error(TM_ERR_UNSUPPORTED, __FILE__, __LINE__,
                             "%s: on %s, but tm_cms_surrogate runs on the CPU only (on CUDA the "
-                            "surrogate training runs in torch autograd)",
+                            "DeepNestedOptimizer runs it in torch ops)",
                             ref.label, tm_device_text(ref.tensor, dev));
     }
     return cpu_cms_surrogate(t, args, in, exec);

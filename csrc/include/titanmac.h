@@ -346,8 +346,8 @@ typedef struct {
  * coefficients; depends on the targets' numels and L only. */
 size_t tm_cms_surrogate_scratch_bytes(const tm_tensor_list *targets, int32_t layers);
 
-/* CPU only: on CUDA the DeepNestedOptimizer runs Phase 1 in torch autograd, which is fast there
- * (TM_ERR_UNSUPPORTED here). */
+/* CPU only (TM_ERR_UNSUPPORTED on CUDA): there the DeepNestedOptimizer runs this algorithm in
+ * torch ops (titanmac_c/_surrogate.py). */
 tm_status tm_cms_surrogate(const tm_cms_surrogate_tensors *t, const tm_cms_surrogate_args *args,
                            const tm_cms_surrogate_inputs *in, const tm_exec *exec);
 
