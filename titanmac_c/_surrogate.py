@@ -74,8 +74,9 @@ class SurrogatePlan:
         # an empty tensor's 1 / numel is 1 (its (o - prev) sum is 0; surrogate_gradient makes its
         # loss NaN where it has a previous output, the reference's mean over no elements)
         self.inv_numel = vector([1.0 / max(n, 1) for n in sizes], torch.float64)
+        self.piece_sizes = [[b - a for _, a, b in c] for c in self.chunks]
         self.tensor_of = [vector([j for j, _, _ in c], torch.int64) for c in self.chunks]
-        self.lengths = [vector([b - a for _, a, b in c], torch.int64) for c in self.chunks]
+        self.lengths = [vector(sizes, torch.int64) for sizes in self.piece_sizes]
 
 
 def surrogate_coefficients(sums, inv_numel):
@@ -179,47 +180,44 @@ def surrogate_gradient(targets, momentum, outputs, weights, weight_grads, losses
     def part(t, start, stop):  # a slice is an op: none for the whole tensor
         return t if start == 0 and stop == t.numel() else t[start:stop]
 
-    def gather(chunk, piece):
-        """piece(j, a, b, at) for the chunk's pieces (at: the piece's offset in the chunk),
-        concatenated."""
-        parts, at = [], 0
-        for j, a, b in chunk:
-            parts.append(piece(j, a, b, at))
-            at += b - a
+    def join(parts):  # a cat is an op: none for one part
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
-    def chunk_pass(chunk, keep):
-        g = gather(chunk, lambda j, a, b, at: part(flat[j], a, b)).float()
+    def pieces(x, c):  # the rows of x (chunk c's elements) by piece, in the chunk's order
+        return x.split(plan.piece_sizes[c]) if len(plan.chunks[c]) > 1 else (x,)
+
+    def chunk_pass(c, keep):
+        chunk = plan.chunks[c]
+        g = join([part(flat[j], a, b) for j, a, b in chunk]).float()
         g = (g * scale if scale is not None else g) / divisor
-        m = gather(chunk, lambda j, a, b, at: part(moms[j], a, b))
+        m = join([part(moms[j], a, b) for j, a, b in chunk])
         o, inputs, derivs = _mlp_forward(weights, _features(g, m), keep)
         # a tensor without a previous output gets o itself: o - prev = 0, no temporal term in
         # its loss or its gradient, and no per-tensor flag on the device
-        prev = gather(chunk, lambda j, a, b, at: (part(outs[j], a, b) if has_prev[j] else
-                                                  part(o, at, at + b - a)))
+        prev = join([part(outs[j], a, b) if has_prev[j] else own
+                     for (j, a, b), own in zip(chunk, pieces(o, c))])
         return g, o, o - prev, inputs, derivs
 
     with torch.no_grad():
         sums = []
-        for chunk in plan.chunks:
-            g, o, d, _, _ = chunk_pass(chunk, keep=False)
+        for c in range(len(plan.chunks)):
+            g, o, d, _, _ = chunk_pass(c, keep=False)
             both = torch.stack([g, o, o, d, g, o, g, d], dim=1).double()
             v = both[:, :4] * both[:, 4:]  # g^2, o^2, o g, (o - prev)^2, exact in double
-            sums.extend(rows.sum(0) for rows in v.split([b - a for _, a, b in chunk]))
+            sums.extend(rows.sum(0) for rows in pieces(v, c))
         sums = torch.stack(sums)
         if not plan.one_piece_each:
             sums = torch.stack([sums[a:b].sum(0) for a, b in plan.pieces_of])
         tensor_losses, coefs = surrogate_coefficients(sums, plan.inv_numel)
         grads = [torch.zeros(w.shape, dtype=torch.float64, device=w.device) for w in weights]
         for c, chunk in enumerate(plan.chunks):
-            g, o, d, inputs, derivs = chunk_pass(chunk, keep=True)
+            g, o, d, inputs, derivs = chunk_pass(c, keep=True)
             co, cg, ct = coefs.index_select(1, plan.tensor_of[c]).repeat_interleave(
                 plan.lengths[c], dim=1, output_size=o.numel())
             _mlp_backward(weights, inputs, derivs, co * o + cg * g + ct * d, grads)
-            at = 0
-            for j, a, b in chunk:  # after this chunk's last read of the previous outputs
-                part(outs[j], a, b).copy_(part(o, at, at + b - a))
-                at += b - a
+            # after this chunk's last read of the previous outputs
+            for (j, a, b), own in zip(chunk, pieces(o, c)):
+                part(outs[j], a, b).copy_(own)
         for wg, acc in zip(weight_grads, grads):
             wg.copy_(acc)
         losses.copy_(tensor_losses)
