@@ -58,7 +58,7 @@ def setup(kind, device, steps, fixed):
     kw = dict(fix_reference_bugs=True) if fixed and kind != "reference" else {}
     opt = cls(model, use_cms_updates=True, **OPT_KW, **kw)
     if kind != "reference":
-        opt._phase1_in_c_core = kind == "c_op"
+        opt._phase1_cpu_path = kind == "c_op"
     for batch in synthetic_batches("titanmac", steps, seed=0, device=device):
         opt.zero_grad()
         loss = loss_fn(model, batch)

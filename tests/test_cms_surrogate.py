@@ -257,6 +257,69 @@ def test_nan_momentum_poisons_the_gradient_as_in_autograd(impl):
     assert torch.equal(l_ours.isnan(), l_ref.isnan())
 
 
+@pytest.mark.parametrize("zero_scale", [False, True], ids=["nan-inf-elements", "scale-0"])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_non_finite_targets_count_as_zero(impl, zero_scale):
+    """A NaN or Inf gradient element (the corrected B1's target is the gradient) counts as 0:
+    the reference's loss would be NaN and its Adam step would turn the MLP's weights NaN for good.
+    With scale 0 (the optimizer's way to train a skipped step on zero targets without a host
+    read) every g is 0, NaNs included. Expected: the reference on the targets with those
+    elements 0, each tensor with and without a previous output over two calls."""
+    gen = torch.Generator().manual_seed(11)
+    mlp = _mlp(20, 2)
+    names = [n for n, _ in mlp.named_parameters()]
+    targets, moms = _inputs("grad", gen)
+    targets[2][[0, 7, 299]] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    targets[5][1000] = float("nan")
+    scale = torch.tensor([0.0 if zero_scale else 0.7])
+    clean = [torch.zeros_like(t) if zero_scale else t.nan_to_num(0.0, 0.0, 0.0) for t in targets]
+    outputs = [torch.empty(s) for s in SIZES]
+    prevs = [None] * len(SIZES)
+    for step in range(2):
+        g_ref, l_ref, o_ref = _reference(mlp, clean, moms, prevs, scale, 5.0)
+        g_ours, l_ours = _ours(mlp, targets, moms, outputs, [p is not None for p in prevs],
+                               scale, 5.0, 20, 2, impl)
+        _assert_grads(g_ours, g_ref, names, step)
+        torch.testing.assert_close(l_ours, l_ref, rtol=1e-5, atol=1e-12)
+        prevs = o_ref
+        for o, r in zip(outputs, o_ref):
+            o.copy_(r)
+
+
+@pytest.mark.parametrize("output_scale", [0.0, 1e-12], ids=["o-zero", "o-below-eps"])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_outputs_at_and_below_the_threshold(impl, output_scale):
+    """||o|| = 0 (the reference's initialisation: a zero output layer) and 0 < ||o|| < 1e-8 with
+    ||g|| above it: the cosine term is off and M = (||o|| / ||g|| - 1)^2, whose gradient at
+    o = 0 is 0 (torch's norm at 0); finite, as the reference's."""
+    gen = torch.Generator().manual_seed(12)
+    mlp = _mlp(20, 2)
+    with torch.no_grad():
+        mlp.net[-1].weight.mul_(output_scale)
+        mlp.net[-1].bias.mul_(output_scale)
+    targets, moms = _inputs("grad", gen)
+    g_ref, l_ref, _ = _reference(mlp, targets, moms, [None] * len(SIZES), None, 1.0)
+    g_ours, l_ours = _ours(mlp, targets, moms, [torch.empty(s) for s in SIZES], None, None, 1.0,
+                           20, 2, impl)
+    assert all(torch.isfinite(g).all() for g in g_ours)
+    _assert_grads(g_ours, g_ref, [n for n, _ in mlp.named_parameters()], 0)
+    torch.testing.assert_close(l_ours, l_ref, rtol=1e-5, atol=1e-12)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_target_norm_exactly_at_the_threshold(impl):
+    """||g|| = 1e-8 exactly (in double, as both implementations and torch's norm compute it):
+    not above the threshold, so M = ||o||^2 and no cosine term, as in the reference."""
+    mlp = _mlp(20, 2)
+    g = torch.tensor([1e-8, 1.1024945e-12, 2.4145378e-16, 9.83672e-20])
+    assert float(g.double().norm()) == 1e-8
+    moms = [torch.full((4,), 1e-3)]
+    g_ref, l_ref, _ = _reference(mlp, [g], moms, [None], None, 1.0)
+    g_ours, l_ours = _ours(mlp, [g], moms, [torch.empty(4)], None, None, 1.0, 20, 2, impl)
+    _assert_grads(g_ours, g_ref, [n for n, _ in mlp.named_parameters()], 0)
+    torch.testing.assert_close(l_ours, l_ref, rtol=1e-5, atol=1e-12)
+
+
 # ATen ops that read a device value on the host (a sync on CUDA) or make a tensor from host data
 # (a host-to-device copy, which synchronizes from pageable memory)
 HOST_READS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select",

@@ -174,12 +174,12 @@ def test_phase1_trains_the_mlp_like_the_reference(impl):
     (CUDA's; tests/test_cms_surrogate.py checks both against float64): from the same state, each
     Phase 1 step moves every MLP weight as the reference's does to 1e-3 of the step size
     (lr = 1e-3; measured <= 3e-5 of it: the gradients differ in rounding only)."""
-    device, in_c_core = impl
+    device, cpu_path = impl
 
     def check(step, name, wo, wr):
         torch.testing.assert_close(wo, wr, rtol=0, atol=1e-3 * 1e-3,
                                    msg=lambda m: f"step {step} momentum_mlp.{name}: {m}")
-    _phase1_steps(device, lambda ours: setattr(ours, "_phase1_in_c_core", in_c_core), check)
+    _phase1_steps(device, lambda ours: setattr(ours, "_phase1_cpu_path", cpu_path), check)
 
 
 def test_reference_itself_is_this_sensitive():
@@ -200,6 +200,105 @@ def test_reference_itself_is_this_sensitive():
     ma = a.state[next(model_a.parameters())].levels[0].momentum.double()
     mb = b.state[next(model_b.parameters())].levels[0].momentum.double()
     assert float((ma - mb).pow(2).sum() / ma.pow(2).sum()) > 100 * STATE_NMSE
+
+
+PHASE1_IMPLS = [
+    pytest.param(("cpu", True), id="cpu-path"),
+    pytest.param(("cpu", False), id="cuda-path-on-cpu"),
+    pytest.param(("cuda", False), id="cuda", marks=DEVICES[1].marks),
+]
+EDIT_STEP = 10  # a Phase 1 step (every 5)
+
+
+def _phase1_state(opt):
+    """What Phase 1 changes: the MLP's weights, its Adam state, the output history, the loss."""
+    return ([w.detach().clone() for w in opt.momentum_mlp.parameters()],
+            copy.deepcopy(opt.mlp_optimizer.state_dict()["state"]),
+            {i: o.clone() for i, o in opt._mlp_output_history.items()},
+            opt._last_surrogate_loss)
+
+
+def _run_with_an_edited_step(impl, fix, edit, steps=20, **kw):
+    """CMS mode with the DirectUpdateMLP on the 10-32-5 MLP; at step EDIT_STEP, edit(model,
+    loss) may change the gradients and returns the loss given to step(). Returns the model, the optimizer, the Phase 1 state
+    before and after that step, its skip flag and the parameters after it."""
+    device, cpu_path = impl
+    model = make_mlp_10_32_5(seed=0).to(device)
+    torch.manual_seed(0)  # the same networks in every run
+    opt = titanmac_c.DeepNestedOptimizer(model, use_cms_updates=True, fix_reference_bugs=fix,
+                                         **kw)
+    opt._phase1_cpu_path = cpu_path
+    out = {}
+    for step, batch in enumerate(synthetic_batches("mlp", steps, seed=9, device=device), start=1):
+        opt.zero_grad()
+        loss = loss_fn(model, batch)
+        loss.backward()
+        loss = loss.detach()
+        if step == EDIT_STEP:
+            out["before"] = _phase1_state(opt)
+            loss = edit(model, loss)
+        opt.step(loss)
+        if step == EDIT_STEP:
+            out["after"] = _phase1_state(opt)
+            out["skipped"] = float(opt.skipped)
+            out["params"] = [p.detach().clone() for p in model.parameters()]
+    return model, opt, out
+
+
+def _assert_same_phase1_state(a, b):
+    weights_a, adam_a, history_a, loss_a = a
+    weights_b, adam_b, history_b, loss_b = b
+    for x, y in zip(weights_a, weights_b):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+    torch.testing.assert_close(adam_a, adam_b, rtol=0, atol=0)
+    torch.testing.assert_close(history_a, history_b, rtol=0, atol=0)
+    torch.testing.assert_close(loss_a, loss_b, rtol=0, atol=0)
+
+
+def _assert_training_goes_on(model, opt, out):
+    for w in opt.momentum_mlp.parameters():
+        assert torch.isfinite(w).all()
+    for p, at_edit in zip(model.parameters(), out["params"]):
+        assert torch.isfinite(p).all() and not torch.equal(p, at_edit)
+
+
+def _nan_in_first_gradient(model, loss):
+    next(model.parameters()).grad.view(-1)[3] = math.nan
+    return loss
+
+
+def _nan_loss(model, loss):
+    return torch.full_like(loss, math.nan)
+
+
+def _zero_gradients(model, loss):
+    for p in model.parameters():
+        p.grad.zero_()
+    return loss
+
+
+@pytest.mark.parametrize("skip_by", [_nan_in_first_gradient, _nan_loss],
+                         ids=["nan-gradient", "nan-loss-tensor"])
+@pytest.mark.parametrize("fix", [False, True], ids=["reference-bugs", "fixed"])
+@pytest.mark.parametrize("impl", PHASE1_IMPLS)
+def test_a_skipped_phase1_step(impl, fix, skip_by):
+    """A NaN gradient (the clip norm is NaN) or a NaN loss given as a tensor on a Phase 1 step:
+    the step is skipped on the device. The CPU's way reads the skip flag on the host (free
+    there) and, as the reference's guard, does not run Phase 1: the MLP, its Adam state, the
+    output history and the surrogate loss are as before. CUDA's way cannot look: Phase 1 trains
+    on zero targets, exactly as a run whose gradients are zero at that step (no skip there).
+    With the fixes Phase 1's targets are the gradients: the NaN reaching them would turn the
+    MLP's weights NaN for good, and a NaN loss would train on gradients the step refused. In
+    every case training goes on afterwards."""
+    model, opt, out = _run_with_an_edited_step(impl, fix, skip_by)
+    assert out["skipped"] == 1.0
+    if impl[1]:
+        _assert_same_phase1_state(out["after"], out["before"])
+    else:
+        _, _, zeros = _run_with_an_edited_step(impl, fix, _zero_gradients)
+        assert zeros["skipped"] == 0.0
+        _assert_same_phase1_state(out["after"], zeros["after"])
+    _assert_training_goes_on(model, opt, out)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -290,6 +389,29 @@ def test_resume_mid_period_is_bitwise(preprocessing):
         for la, lc in zip(full.state[pa].levels, resumed.state[pc].levels):
             for name in ("momentum", "accumulated_grad", "ema_grad"):
                 assert torch.equal(getattr(la, name), getattr(lc, name)), name
+
+
+def test_a_state_dict_loaded_in_memory_is_copied():
+    """load_state_dict of another optimizer's state_dict() (no torch.save between): no tensor of
+    the two optimizers is shared (torch's Optimizer.load_state_dict keeps tensors already on the
+    right device, which would leave both stepping one Adam state of the MLP and the
+    controller), so training the source further leaves the loaded one as loaded."""
+    kw = dict(use_cms_updates=True, meta_update_freq=5)
+    model_a = make_mlp_10_32_5(seed=0)
+    model_b = copy.deepcopy(model_a)
+    source = titanmac_c.DeepNestedOptimizer(model_a, **kw)
+    loaded = titanmac_c.DeepNestedOptimizer(model_b, **kw)
+    batches = synthetic_batches("mlp", 16, seed=2)
+    for step, batch in enumerate(batches[:6], start=1):
+        _one_step(model_a, source, batch, step, inject=False)
+    loaded.load_state_dict(source.state_dict())
+    as_loaded = _roundtrip(loaded.state_dict())
+    for step, batch in enumerate(batches[6:], start=7):  # Phase 1 and meta-updates at 10, 15
+        _one_step(model_a, source, batch, step, inject=False)
+    now = loaded.state_dict()
+    for part in ("mlp_optimizer", "meta_optimizer"):
+        assert as_loaded[part]["state"], part  # the check sees tensors
+        torch.testing.assert_close(now[part]["state"], as_loaded[part]["state"], rtol=0, atol=0)
 
 
 def test_checkpoints_load_both_ways_with_the_reference():

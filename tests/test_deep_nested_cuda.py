@@ -22,26 +22,31 @@ def _model():
     return make_titanmac_like_model(seed=0).cuda()
 
 
-def _train(model, opt, batches, set_to_none=True):
+def _train(model, opt, batches, set_to_none=True, nan_loss_at=None):
+    """nan_loss_at: the step (1-based in batches) given a NaN loss tensor, which the device-side
+    guard skips."""
     losses = []
-    for batch in batches:
+    for step, batch in enumerate(batches, start=1):
         opt.zero_grad(set_to_none=set_to_none)
         loss = loss_fn(model, batch)
         loss.backward()
-        opt.step(loss.detach())
+        given = loss.detach()
+        opt.step(given * float("nan") if step == nan_loss_at else given)
         losses.append(loss.detach())
     return torch.stack(losses)
 
 
-@pytest.mark.parametrize("mode", ["adamw", "cms", "cms_legacy"])
+@pytest.mark.parametrize("mode", ["adamw", "cms", "cms_fixed", "cms_legacy"])
 @pytest.mark.parametrize("graph", [False, True])
 def test_step_makes_no_host_sync(graph, mode):
     """Steps 6-12: in CMS mode with the DirectUpdateMLP step 10 also runs Phase 1 (the surrogate
-    training, every 5); the legacy network steps eagerly in graph mode too."""
+    training, every 5; with the fixes on the current gradients, between two graphs in graph
+    mode); the legacy network steps eagerly in graph mode too."""
     model = _model()
     opt = titanmac_c.DeepNestedOptimizer(model, use_cuda_graph=graph, cuda_graph_warmup_steps=2,
                                          use_cms_updates=mode != "adamw",
-                                         use_preprocessing=mode != "cms_legacy", **KW)
+                                         use_preprocessing=mode != "cms_legacy",
+                                         fix_reference_bugs=mode == "cms_fixed", **KW)
     batches = synthetic_batches("titanmac", 12, seed=0, device="cuda")
     _train(model, opt, batches[:5])  # warm-up (and capture, in graph mode)
     torch.cuda.synchronize()
@@ -56,7 +61,7 @@ def test_step_makes_no_host_sync(graph, mode):
             torch.cuda.set_sync_debug_mode(0)
 
 
-def _eager_and_graph(steps, seed, captured=True, **kw):
+def _eager_and_graph(steps, seed, captured=True, nan_loss_at=None, **kw):
     """The same model trained eagerly and in graph mode from the same networks; returns both
     models, both optimizers and both loss curves. The optimizer's kernels are the same in both
     modes; the backward's are not bitwise repeatable (the embedding's gradient adds with
@@ -71,8 +76,8 @@ def _eager_and_graph(steps, seed, captured=True, **kw):
     batches = synthetic_batches("titanmac", steps, seed=seed, device="cuda")
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
-        losses_e = _train(model_e, eager, batches)
-        losses_g = _train(model_g, graph, batches)
+        losses_e = _train(model_e, eager, batches, nan_loss_at=nan_loss_at)
+        losses_g = _train(model_g, graph, batches, nan_loss_at=nan_loss_at)
     finally:
         torch.use_deterministic_algorithms(False)
     assert graph._graph is not None and graph._graph.captured == captured
@@ -122,6 +127,23 @@ def test_graph_mode_matches_eager_in_cms_mode():
     on an H100 one element of 196,608 was 4e-6 off after 30 steps)."""
     model_e, eager, model_g, graph = _eager_and_graph(30, seed=3, use_cms_updates=True)
     _assert_momenta_close(model_g, graph, model_e, eager)
+
+
+def test_graph_mode_matches_eager_with_the_fixes_and_a_skipped_phase1_step():
+    """With fix_reference_bugs=True Phase 1 trains on the current clipped gradients: in graph mode
+    it runs between the replays of the statistics and control (which write the clip coefficient
+    and the skip flag it reads) and of Phase 2. Step 10, a Phase 1 step after the capture, gets a
+    NaN loss (skipped on the device: Phase 1 on zero targets in both modes). The MLP's weights
+    within 1% of an Adam step (lr 1e-3) of eager's, besides what _eager_and_graph checks."""
+    model_e, eager, model_g, graph = _eager_and_graph(30, seed=5, nan_loss_at=10,
+                                                      use_cms_updates=True,
+                                                      fix_reference_bugs=True)
+    _assert_momenta_close(model_g, graph, model_e, eager)
+    for (name, w_g), w_e in zip(graph.momentum_mlp.named_parameters(),
+                                eager.momentum_mlp.parameters()):
+        assert torch.isfinite(w_g).all()
+        torch.testing.assert_close(w_g, w_e, rtol=0, atol=1e-5,
+                                   msg=lambda m: f"momentum_mlp.{name}: {m}")
 
 
 def test_graph_mode_with_the_legacy_network_steps_eagerly():

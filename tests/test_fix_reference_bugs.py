@@ -251,7 +251,7 @@ def test_b1_phase1_in_the_c_core_trains_like_the_torch_ops():
     model, opt = _opt(max_grad_norm=0.5)
     for step, batch in enumerate(synthetic_batches("mlp", 15, seed=4), start=1):
         model_b, opt_b = copy.deepcopy((model, opt))
-        opt_b._phase1_in_c_core = False
+        opt_b._phase1_cpu_path = False
         before = (copy.deepcopy(opt.momentum_mlp),
                   [opt.state[p].levels[0].momentum.clone() for p in model.parameters()],
                   {i: o.clone() for i, o in opt._mlp_output_history.items()})

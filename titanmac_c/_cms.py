@@ -37,6 +37,7 @@ from ._runtime import exec_kwargs, mark_written
 from ._surrogate import SurrogatePlan, surrogate_gradient
 
 CMS_BUFFERS = ("momentum", "accumulated_grad", "ema_grad", "v_sq")
+PHASE1_PLANS_KEPT = 4  # Phase 1 layouts whose SurrogatePlan is kept (CUDA's way)
 
 
 def kept(name, level):
@@ -237,8 +238,10 @@ class CMSModeMixin:
         zero at this point in the reference (B1). On the CPU the loss's gradient comes from the
         C core (tm_cms_surrogate); on CUDA from its algorithm in torch ops
         (_surrogate.surrogate_gradient)."""
-        if not self.use_preprocessing or t % self.mlp_train_freq != 0:
+        if not self._phase1_due(t):
             return
+        if self._phase1_cpu_path and float(self.skipped) != 0.0:
+            return  # the reference's guard returns before Phase 1 (CUDA: _phase1_targets)
         selected = select_phase1_tensors(self.base_optimizer.param_groups)
         if not selected:
             return
@@ -249,15 +252,25 @@ class CMSModeMixin:
         self.mlp_optimizer.step()
         self._last_surrogate_loss = total.detach()
 
+    def _phase1_due(self, t):
+        """Phase 1 runs at step t (the DirectUpdateMLP's surrogate training)."""
+        return self.use_preprocessing and t % self.mlp_train_freq == 0
+
     def _phase1_targets(self, selected):
         """Per tensor what g^_0 is made of, and the scale: (targets, scale, divisor) with
-        g^_0 = target * scale / divisor."""
+        g^_0 = target * scale / divisor (a non-finite g^_0 counts as 0)."""
         divisor = float(max(self.cms_frequencies[0], 1))
         if self.fix_reference_bugs:  # B1 corrected: the current (clipped) gradient
-            return [p.grad.detach() for p in selected], self._coef, divisor
-        # B1: A_0 was reset by the last Phase 2, so this is zero
-        acc = self._cms.buffers["accumulated_grad"][0]
-        return [acc[self._cms.index[p]] for p in selected], None, divisor
+            targets, scale = [p.grad.detach() for p in selected], self._coef
+        else:  # B1: A_0 was reset by the last Phase 2, so this is zero
+            acc = self._cms.buffers["accumulated_grad"][0]
+            targets, scale = [acc[self._cms.index[p]] for p in selected], None
+        if not self._phase1_cpu_path:
+            # A step the guard skipped (known on the device only) trains on zero targets: scale
+            # 0 zeroes them, NaN gradients included. x * 1 is exact, so an unskipped step is
+            # unchanged.
+            scale = torch.where(self.skipped != 0.0, 0.0, 1.0 if scale is None else scale)
+        return targets, scale, divisor
 
     def _phase1_gradient(self, selected):
         """The surrogate loss's gradient over the selected tensors into the MLP's .grad (the
@@ -282,20 +295,28 @@ class CMSModeMixin:
             grads.append(w.grad)
         weights = self._weights_of("momentum_mlp")
         losses = torch.empty(len(selected), dtype=torch.float32, device=self.device)
-        if self._phase1_in_c_core:
+        if self._phase1_cpu_path:
             _C.cms_surrogate(
                 targets, momenta, outputs, weights, grads, losses, divisor=divisor,
                 hidden=min(self.momentum_hidden_dim, DIRECT_MLP_MAX_HIDDEN),
                 layers=self.momentum_num_layers, has_prev=has_prev, scale=scale,
                 **exec_kwargs(self.device))
         else:
-            sizes = tuple(p.numel() for p in selected)
-            if sizes not in self._phase1_plans:  # one layout at a time: the selection is stable
-                self._phase1_plans = {sizes: SurrogatePlan(sizes, self.device)}
             surrogate_gradient(targets, momenta, outputs, weights, grads, losses,
                                divisor=divisor, has_prev=has_prev, scale=scale,
-                               plan=self._phase1_plans[sizes])
+                               plan=self._phase1_plan(tuple(p.numel() for p in selected)))
         return losses.mean()
+
+    def _phase1_plan(self, sizes):
+        """The SurrogatePlan of these sizes, from the last few layouts (a selection that changes
+        with gradients present or not, e.g. alternating branches, reuses its plans: each costs a
+        few fills per tensor on CUDA)."""
+        plans = self._phase1_plans
+        plan = plans.pop(sizes, None) or SurrogatePlan(sizes, self.device)
+        plans[sizes] = plan  # most recent last
+        while len(plans) > PHASE1_PLANS_KEPT:
+            del plans[next(iter(plans))]
+        return plan
 
     def _cms_phase2(self, t):
         """Spec 7.2 Phase 2 for every grouped tensor with a gradient: one tm_cms_step call."""

@@ -1,7 +1,8 @@
 """CUDA-graph mode of the DeepNestedOptimizer (spec section 11, done so that every step applies
 its update): after `cuda_graph_warmup_steps` eager steps, the C calls of a step are captured in a
 CUDA graph, one per kind of step (controller or not; in CMS mode, which levels fire), and
-replayed. The gradients live in static buffers (zero_grad zeroes them in place; a gradient that
+replayed; in CMS mode a step that trains the DirectUpdateMLP (Phase 1, eager torch ops) runs it
+between two graphs, the statistics and control before it and Phase 2 after. The gradients live in static buffers (zero_grad zeroes them in place; a gradient that
 was reallocated anyway is copied in), base_lr reaches the graph through a device tensor, and a
 reload re-captures (B8, B9, B10 fixed). Tested on an H100 against eager, AdamW and CMS modes.
 """
@@ -87,29 +88,45 @@ class GraphState:
         if self.base_lr is None:
             self.base_lr = torch.empty(1, dtype=torch.float32, device=opt.device)
         self.base_lr.fill_(opt.base_lr)
-        # One graph per kind of step: controller or not, and (CMS) which levels fire.
-        key = (update,) if opt._cms is None else (update, tuple(opt._cms.fires(t)))
-        if opt._cms is not None:
-            opt._phase1(t)  # the MLP's training (torch ops, eager): before the graph
-        with prof.step_range(prof.GRAPH):
-            graph = self.graphs.get(key)
-            if graph is None:
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    self._captured_step(t, update)
-                self.graphs[key] = graph
-                self.captured = True
-            graph.replay()  # capture records without running: replay at once (B8 fixed)
+        # One graph per kind of step: controller or not, and (CMS) which levels fire. A step
+        # that trains the DirectUpdateMLP (Phase 1: torch ops and torch's Adam, eager) replays
+        # two: the statistics and control, whose clip coefficient and skip flag Phase 1 reads,
+        # then Phase 2.
+        fires = None if opt._cms is None else tuple(opt._cms.fires(t))
+        if opt._cms is not None and opt._phase1_due(t):
+            self._replay(("head", update), lambda: self._captured_head(t, update))
+            opt._phase1(t)
+            self._replay(("tail", fires), lambda: self._captured_tail(t))
+        else:
+            self._replay((update, fires), lambda: (self._captured_head(t, update),
+                                                   self._captured_tail(t)))
         # a replay writes what the eager step's calls mark (parameters; gradients zeroed on a
         # skip in AdamW mode)
         mark_written(params, self.static_grads if opt._cms is None else ())
         return True
 
-    def _captured_step(self, t, update):
+    def _replay(self, key, calls):
+        """Replay the graph of this kind of step, captured from calls() the first time."""
+        with prof.step_range(prof.GRAPH):
+            graph = self.graphs.get(key)
+            if graph is None:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    calls()
+                self.graphs[key] = graph
+                self.captured = True
+            graph.replay()  # capture records without running: replay at once (B8 fixed)
+
+    def _captured_head(self, t, update):
+        """The statistics and the control op: learning rates, clip coefficient, skip flag."""
         opt = self.opt
         opt._run_norms(update)
         opt._control(t, update, check_loss=True, base_lr=1.0)
         opt._lr.mul_(self.base_lr)  # base_lr schedules reach the graph through a tensor
+
+    def _captured_tail(self, t):
+        """The update: CMS Phase 2, or AdamW."""
+        opt = self.opt
         if opt._cms is not None:
             opt._cms_phase2(t)
         else:

@@ -165,7 +165,8 @@ def _mlp_backward(weights, inputs, derivs, dout, grads):
 def surrogate_gradient(targets, momentum, outputs, weights, weight_grads, losses, *, divisor,
                        has_prev, scale=None, plan=None):
     """_C.cms_surrogate in torch ops: g_i = targets[i] * scale / divisor (float32, the
-    reference's ops in its order), o_i = MLP(g_i, momentum[i]) with the DirectUpdateMLP weights
+    reference's ops in its order; a non-finite element counts as 0, so scale 0 makes every g_i
+    zero whatever the targets hold), o_i = MLP(g_i, momentum[i]) with the DirectUpdateMLP weights
     (weights: its parameters in module order); the gradient of mean_i loss(o_i, g_i, prev_i) is
     written into weight_grads, each loss into losses (float32 [n]), o_i into outputs[i]
     (float32, targets[i]'s numel), which is also prev_i where has_prev[i]. plan: a SurrogatePlan
@@ -190,6 +191,7 @@ def surrogate_gradient(targets, momentum, outputs, weights, weight_grads, losses
         chunk = plan.chunks[c]
         g = join([part(flat[j], a, b) for j, a, b in chunk]).float()
         g = (g * scale if scale is not None else g) / divisor
+        g = torch.nan_to_num(g, nan=0.0, posinf=0.0, neginf=0.0)  # as the C op: non-finite -> 0
         m = join([part(moms[j], a, b) for j, a, b in chunk])
         o, inputs, derivs = _mlp_forward(weights, _features(g, m), keep)
         # a tensor without a previous output gets o itself: o - prev = 0, no temporal term in

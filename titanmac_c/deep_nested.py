@@ -239,9 +239,12 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin):
             init_output_on_sign(self.momentum_mlp)
         self.state = self._cms.public_view() if self._cms is not None else {}
         self._mlp_output_history = {}  # tensor index -> last Phase-1 output (not checkpointed)
-        # Phase 1's gradient: the C core's op on the CPU, the same algorithm in torch ops on
-        # CUDA (the tests run that on the CPU too), with its chunks for the selected sizes
-        self._phase1_in_c_core = self.device.type == "cpu"
+        # How Phase 1 runs: on the CPU its gradient comes from the C core's op, and a step the
+        # device-side guard skipped is seen on the host (a free read there), so Phase 1 skips it
+        # as the reference's does; on CUDA the same algorithm runs in torch ops (with chunk plans
+        # for the selected sizes) and a skipped step's targets count as zero (no host read). The
+        # tests set it False to run CUDA's way on the CPU.
+        self._phase1_cpu_path = self.device.type == "cpu"
         self._phase1_plans = {}
         self._last_surrogate_loss = None
         self._cms_scratch = Scratch()
@@ -562,9 +565,11 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin):
         self.base_optimizer.load_state_dict(state_dict["base_optimizer"])  # checks, then writes
         self.momentum_mlp.load_state_dict(_uncompiled(state_dict["momentum_mlp"]))
         self.controller.load_state_dict(_uncompiled(state_dict["controller"]))
-        self.meta_optimizer.load_state_dict(state_dict["meta_optimizer"])
+        # deep copies: torch's load keeps a tensor already on the right device, so an in-memory
+        # state_dict would leave two optimizers stepping one Adam state
+        self.meta_optimizer.load_state_dict(copy.deepcopy(state_dict["meta_optimizer"]))
         if self.mlp_optimizer is not None and "mlp_optimizer" in state_dict:
-            self.mlp_optimizer.load_state_dict(state_dict["mlp_optimizer"])
+            self.mlp_optimizer.load_state_dict(copy.deepcopy(state_dict["mlp_optimizer"]))
         self.global_step = step
         with torch.no_grad():
             self._lr_multipliers.copy_(mult)

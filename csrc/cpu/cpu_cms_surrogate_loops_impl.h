@@ -34,11 +34,14 @@ typedef struct {
     float out[CMS_TILE];                                  /* o */
 } sur_tile;
 
-/* g = target * scale / divisor, the reference's float ops in its order. */
+/* g = target * scale / divisor, the reference's float ops in its order; a non-finite g counts
+ * as 0 (a NaN or Inf gradient element, or any element of a step the guard skipped when the caller
+ * passes scale 0: it would turn the MLP's weights NaN for good, titanmac.h). */
 CPU_INLINE float
 sur_g(const cpu_sur_block *b, float target)
 {
-    return tm_fdiv(tm_fmul(target, b->scale), b->divisor);
+    const float g = tm_fdiv(tm_fmul(target, b->scale), b->divisor);
+    return fabsf(g) <= FLT_MAX ? g : 0.0f;
 }
 
 /* g = target * scale / divisor, prev and the four features of elements [s, s + cnt). A partial

@@ -313,7 +313,9 @@ tm_status tm_cms_step(const tm_cms_tensors *t, const tm_cms_args *args, const tm
 
 /* Phase 1 of the CMS step (spec 7.2, loss 7.4): the DirectUpdateMLP's surrogate training
  * gradient over the (at most 20) chosen tensors. Per tensor i, with g = targets[i] * scale /
- * divisor (in float32, the reference's ops) and o = MLP(g, momentum[i]) element-wise:
+ * divisor (in float32, the reference's ops; a non-finite g counts as 0, so a NaN or Inf gradient
+ * element, or a step skipped by passing scale 0, cannot turn the MLP's weights NaN for good) and
+ * o = MLP(g, momentum[i]) element-wise:
  *   loss_i = R + 0.1 M (+ 0.1 mean((o - prev)^2) when has_prev[i]),
  * R = 1 - cos(o, g) and M = (||o|| / ||g|| - 1)^2 when ||g||, ||o|| > 1e-8 (M = ||o||^2 when
  * ||g|| is not), prev = outputs[i] on entry. The op writes losses[i], o into outputs[i] (the next
