@@ -220,8 +220,9 @@ def _phase1_state(opt):
 
 def _run_with_an_edited_step(impl, fix, edit, steps=20, **kw):
     """CMS mode with the DirectUpdateMLP on the 10-32-5 MLP; at step EDIT_STEP, edit(model,
-    loss) may change the gradients and returns the loss given to step(). Returns the model, the optimizer, the Phase 1 state
-    before and after that step, its skip flag and the parameters after it."""
+    loss) may change the gradients and returns the loss given to step(). Returns the model, the
+    optimizer, and the Phase 1 state before and after that step, its skip flag and the
+    parameters after it."""
     device, cpu_path = impl
     model = make_mlp_10_32_5(seed=0).to(device)
     torch.manual_seed(0)  # the same networks in every run

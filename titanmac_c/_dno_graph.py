@@ -2,9 +2,11 @@
 its update): after `cuda_graph_warmup_steps` eager steps, the C calls of a step are captured in a
 CUDA graph, one per kind of step (controller or not; in CMS mode, which levels fire), and
 replayed; in CMS mode a step that trains the DirectUpdateMLP (Phase 1, eager torch ops) runs it
-between two graphs, the statistics and control before it and Phase 2 after. The gradients live in static buffers (zero_grad zeroes them in place; a gradient that
-was reallocated anyway is copied in), base_lr reaches the graph through a device tensor, and a
-reload re-captures (B8, B9, B10 fixed). Tested on an H100 against eager, AdamW and CMS modes.
+between two graphs, the statistics and control before it and Phase 2 after. The gradients live
+in static buffers (zero_grad zeroes them in place; a gradient that was reallocated anyway is
+copied in), base_lr reaches the graph through a device tensor, and a reload re-captures (B8, B9,
+B10 fixed). Tested on an H100 against eager, AdamW and CMS modes (the two-graph Phase 1 step not
+yet).
 """
 
 import warnings
