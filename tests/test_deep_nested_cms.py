@@ -164,11 +164,16 @@ def _phase1_steps(device, ours_setup, check):
                 check(step, name, wo, wr)
 
 
-@pytest.mark.parametrize("impl", [
-    pytest.param(("cpu", True), id="c_op"),
-    pytest.param(("cpu", False), id="torch-cpu"),
-    pytest.param(("cuda", False), id="torch-cuda", marks=DEVICES[1].marks),
-])
+# How Phase 1 runs (DeepNestedOptimizer._phase1_cpu_path): the CPU's way (the C op, the skip
+# flag read on the host), and CUDA's (torch ops, the skip applied on the device), on the CPU too.
+PHASE1_IMPLS = [
+    pytest.param(("cpu", True), id="cpu-path"),
+    pytest.param(("cpu", False), id="cuda-path-on-cpu"),
+    pytest.param(("cuda", False), id="cuda", marks=DEVICES[1].marks),
+]
+
+
+@pytest.mark.parametrize("impl", PHASE1_IMPLS)
 def test_phase1_trains_the_mlp_like_the_reference(impl):
     """Phase 1's gradient from the C core (the CPU's) or from its algorithm in torch ops
     (CUDA's; tests/test_cms_surrogate.py checks both against float64): from the same state, each
@@ -202,11 +207,6 @@ def test_reference_itself_is_this_sensitive():
     assert float((ma - mb).pow(2).sum() / ma.pow(2).sum()) > 100 * STATE_NMSE
 
 
-PHASE1_IMPLS = [
-    pytest.param(("cpu", True), id="cpu-path"),
-    pytest.param(("cpu", False), id="cuda-path-on-cpu"),
-    pytest.param(("cuda", False), id="cuda", marks=DEVICES[1].marks),
-]
 EDIT_STEP = 10  # a Phase 1 step (every 5)
 
 
