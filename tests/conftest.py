@@ -8,6 +8,7 @@ import copy
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import titanmac_c
 from titanmac_c._reference_dno import ReferenceDeepNestedOptimizer
@@ -41,6 +42,35 @@ TOL_CUDA = {
     torch.float16: dict(rtol=2e-2, atol=2.0**-10),
     torch.bfloat16: dict(rtol=3.2e-2, atol=2.0**-7),
 }
+
+
+# ATen ops that read a device value on the host (a sync on CUDA) or make a tensor from host data
+# (a host-to-device copy, which synchronizes from pageable memory)
+HOST_READS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select",
+              "aten::is_nonzero", "aten::equal", "aten::lift_fresh", "aten::lift_fresh_copy"}
+
+
+class RecordHostReads(TorchDispatchMode):
+    """Counts every ATen op below this mode and records those that would stall a CUDA stream,
+    so that a CUDA path run on CPU tensors shows its host reads on a machine without a GPU.
+    host_side: tensors that stay on the CPU on CUDA too (torch's non-capturable Adam keeps its
+    step counts there), whose reads are not recorded."""
+
+    def __init__(self, host_side=()):
+        super().__init__()
+        self.ops, self.host_reads = 0, []
+        self._host_side = {t.data_ptr() for t in host_side}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        name = func._schema.name
+        bool_index = (func is torch.ops.aten.index.Tensor and
+                      any(i is not None and i.dtype == torch.bool for i in args[1]))
+        if (name in HOST_READS or bool_index) and not (
+                args and isinstance(args[0], torch.Tensor)
+                and args[0].data_ptr() in self._host_side):
+            self.host_reads.append(name)
+        return func(*args, **(kwargs or {}))
 
 
 def tol(dtype, device):

@@ -19,9 +19,8 @@ import copy
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import DEVICES
+from conftest import DEVICES, RecordHostReads
 from titanmac_c import _C
 from titanmac_c._surrogate import SurrogatePlan, surrogate_gradient
 from titanmac_c._reference_dno import (DirectUpdateMLP, compute_surrogate_loss,
@@ -320,29 +319,6 @@ def test_target_norm_exactly_at_the_threshold(impl):
     torch.testing.assert_close(l_ours, l_ref, rtol=1e-5, atol=1e-12)
 
 
-# ATen ops that read a device value on the host (a sync on CUDA) or make a tensor from host data
-# (a host-to-device copy, which synchronizes from pageable memory)
-HOST_READS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select",
-              "aten::is_nonzero", "aten::equal", "aten::lift_fresh", "aten::lift_fresh_copy"}
-
-
-class _RecordOps(TorchDispatchMode):
-    """Every ATen op below this mode, and those that would stall a CUDA stream."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops, self.host_reads = 0, []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops += 1
-        name = func._schema.name
-        bool_index = (func is torch.ops.aten.index.Tensor and
-                      any(i is not None and i.dtype == torch.bool for i in args[1]))
-        if name in HOST_READS or bool_index:
-            self.host_reads.append(name)
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("device", DEVICES)
 def test_torch_ops_read_nothing_back(device):
     """CUDA's Phase 1 adds no host sync (acceptance 2 of the CMS issue): on every device no op of
@@ -360,7 +336,7 @@ def test_torch_ops_read_nothing_back(device):
     plan = SurrogatePlan([t.numel() for t in targets], torch.device(device), chunk=1000)
     has_prev = [i % 2 == 0 for i in range(len(SIZES))]
     scale = torch.tensor([0.5], device=device)
-    record = _RecordOps()
+    record = RecordHostReads()
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")

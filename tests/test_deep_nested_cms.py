@@ -17,8 +17,8 @@ import torch
 
 import titanmac_c
 from titanmac_c._reference_dno import ReferenceDeepNestedOptimizer
-from conftest import (DEVICES, STATE_NMSE, assert_nmse_close, reference_and_ours,
-                      sync_cms_from_reference)
+from conftest import (DEVICES, STATE_NMSE, RecordHostReads, assert_nmse_close,
+                      reference_and_ours, sync_cms_from_reference)
 from dno_models import loss_fn, make_mlp_10_32_5, synthetic_batches
 
 PARAM_TOL = dict(rtol=1e-4, atol=1e-6)
@@ -300,6 +300,39 @@ def test_a_skipped_phase1_step(impl, fix, skip_by):
         assert zeros["skipped"] == 0.0
         _assert_same_phase1_state(out["after"], zeros["after"])
     _assert_training_goes_on(model, opt, out)
+
+
+@pytest.mark.parametrize("net", ["direct", "legacy"])
+@pytest.mark.parametrize("fix", [False, True], ids=["reference-bugs", "fixed"])
+def test_cuda_path_reads_nothing_back_checked_on_the_cpu(net, fix):
+    """Acceptance 2 of the CMS issue (no host sync in a step) watched without a GPU: CUDA's way
+    of stepping, run on CPU tensors, executes no ATen op that would read a value back or copy
+    host data in on CUDA (tests/test_deep_nested_cuda.py checks the real thing under sync debug
+    mode "error" on a GPU). Steps 6-12, step 10 with Phase 1 for the DirectUpdateMLP. The C
+    core's calls are not ATen ops: this watches the Python around them. Reads of the MLP Adam's
+    step counts are allowed: torch keeps them on the CPU on CUDA too."""
+    model = make_mlp_10_32_5(seed=0)
+    opt = titanmac_c.DeepNestedOptimizer(model, use_cms_updates=True,
+                                         use_preprocessing=net == "direct",
+                                         fix_reference_bugs=fix, max_grad_norm=1.0,
+                                         weight_decay=0.01, meta_update_freq=1000)
+    opt._phase1_cpu_path = False
+    ops = {}
+    for step, batch in enumerate(synthetic_batches("mlp", 12, seed=3), start=1):
+        opt.zero_grad()
+        loss = loss_fn(model, batch)
+        loss.backward()
+        if step <= 5:
+            opt.step(loss.detach())
+            continue
+        record = RecordHostReads(host_side=[s["step"] for s in opt.mlp_optimizer.state.values()]
+                                 if opt.mlp_optimizer is not None else [])
+        with record:
+            opt.step(loss.detach())
+        assert not record.host_reads, (step, record.host_reads)
+        ops[step] = record.ops
+    if net == "direct":  # the mode saw Phase 1 (hundreds of ops), or the check is void
+        assert ops[10] > 100 and opt._last_surrogate_loss is not None, ops
 
 
 @pytest.mark.parametrize("device", DEVICES)
