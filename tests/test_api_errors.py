@@ -285,17 +285,20 @@ def test_float64_parameter_with_state_from_torch_is_refused_before_any_write():
 def test_parameters_sharing_memory_are_refused_views_of_one_buffer_are_not():
     """Two Parameters on one memory (nn.Parameter(w) instead of reusing w: a mistaken tie) would
     be updated at once by different threads; torch updates them one after the other. Refused,
-    naming both, before anything is written. Disjoint views of one flat buffer (flat-parameter
-    schemes) are fine and match torch with any thread count."""
+    naming both by their places in the group (a parameter without a gradient before them does
+    not shift the names), before anything is written. Disjoint views of one flat buffer
+    (flat-parameter schemes) are fine and match torch with any thread count."""
     w = torch.nn.Parameter(torch.randn(1000))
     tied = torch.nn.Parameter(w)
     other = torch.nn.Parameter(torch.randn(10))
-    opt = titanmac_c.AdamW([w, other, tied], lr=0.1)
+    no_grad = torch.nn.Parameter(torch.randn(10))
+    opt = titanmac_c.AdamW([no_grad, w, other, tied], lr=0.1)
     for p in (w, other, tied):
         p.grad = torch.randn(p.shape)
-    expect_refused(opt, [w, other, tied], ValueError,
+    expect_refused(opt, [no_grad, w, other, tied], ValueError,
                    r"^params\[2\]: shares memory with params\[0\] "
-                   r"\(param_groups\[0\]\['params'\]\[2\]\)$")
+                   r"\(param_groups\[0\]\['params'\]\[3\]; "
+                   r"params\[0\] is param_groups\[0\]\['params'\]\[1\]\)$")
     flat = torch.randn(3000)
     theirs_flat = flat.clone()
     ours = [torch.nn.Parameter(flat[i * 1000:(i + 1) * 1000]) for i in (2, 0, 1)]
@@ -313,14 +316,15 @@ def test_parameters_sharing_memory_are_refused_views_of_one_buffer_are_not():
 
 def test_clip_refuses_gradients_sharing_memory_and_names_parameters():
     """clip_grad_norm_ scales gradients in place, tensors at once: two on one memory are
-    refused (nothing scaled). Refused tensors are named by their place in the user's
-    parameters, parameters without gradients counted."""
-    a, b, c = (torch.nn.Parameter(torch.randn(6)) for _ in range(3))
+    refused (nothing scaled). Refused tensors, both of a pair, are named by their place in the
+    user's parameters, parameters without gradients counted."""
+    z, a, b, c = (torch.nn.Parameter(torch.randn(6)) for _ in range(4))
     a.grad = torch.full((6,), 3.0)
     c.grad = a.grad
     with pytest.raises(ValueError, match=r"^tensors\[1\]: shares memory with tensors\[0\] "
-                                         r"\(parameters\[2\]\)$"):
-        titanmac_c.clip_grad_norm_([a, b, c], 1.0)
+                                         r"\(parameters\[3\]; tensors\[0\] is "
+                                         r"parameters\[1\]\)$"):
+        titanmac_c.clip_grad_norm_([z, a, b, c], 1.0)
     assert torch.equal(a.grad, torch.full((6,), 3.0))
     c.grad = torch.randn(12)[::2]  # stride 2: not dense
     with pytest.raises(BufferError, match=r"^grads\[1\]: not contiguous .*\(parameters\[2\]\)$"):

@@ -230,40 +230,77 @@ def test_parameters_the_c_core_cannot_take_are_refused_at_construction(make, mat
         titanmac_c.DeepNestedOptimizer(make(), use_cms_updates=True)
 
 
+def _spoil_gradient(how):
+    def spoil(model):
+        good = model[2].weight.grad
+        model[2].weight.grad = good.t().contiguous().t() if how == "strided" else good.to_sparse()
+
+        def undo():
+            model[2].weight.grad = good
+        return undo
+    return spoil
+
+
+def _resize_a_parameter(model):
+    """`p.data = ...` of another size, with a gradient to match: refused by the update (AdamW or
+    CMS Phase 2, after the control op) or, on a Phase 1 step, before Phase 1."""
+    bias = model[2].bias
+    data, grad = bias.data, bias.grad
+    bias.data, bias.grad = torch.zeros(6), torch.ones(6)
+
+    def undo():
+        bias.data, bias.grad = data, grad
+    return undo
+
+
+# the update's message (AdamW: the base optimizer's name of the tensor), or the Phase 1 check's
+_RESIZED = (r"(numel 5 does not match params\[3\] numel 6 "
+            r"\((parameter '2.bias'|param_groups\[1\]\['params'\]\[1\])\)$"
+            r"|^parameter '2.bias': 6 elements on cpu, its CMS state 5 on cpu)")
+
+
 @pytest.mark.parametrize("kw", MODES, ids=MODE_IDS)
-@pytest.mark.parametrize("bad, err, match", [
-    ("strided", BufferError, r"grads\[1\]: not contiguous .* \(parameter '2.weight'\)"),
-    ("sparse", RuntimeError, r"parameter '2.weight': torch.sparse_coo gradients are not"),
-])
-def test_a_refused_gradient_changes_nothing_and_names_its_parameter(kw, bad, err, match):
-    """A gradient the C core cannot take raises before anything is written: the parameters, the
-    state and global_step are as before, and with the gradient fixed the run goes on exactly as
-    one that never saw it."""
+@pytest.mark.parametrize("at", [7, 10], ids=["step7", "step10"])  # 10: Phase 1 in CMS-direct
+@pytest.mark.parametrize("spoil, err, match", [
+    (_spoil_gradient("strided"), BufferError,
+     r"grads\[1\]: not contiguous .* \(parameter '2.weight'\)"),
+    (_spoil_gradient("sparse"), RuntimeError,
+     r"parameter '2.weight': torch.sparse_coo gradients are not"),
+    (_resize_a_parameter, ValueError, _RESIZED),
+], ids=["strided-gradient", "sparse-gradient", "resized-parameter"])
+def test_a_refused_step_changes_nothing_and_names_its_parameter(kw, at, spoil, err, match):
+    """A tensor the C core cannot take raises and the step does not happen: the parameters, the
+    state (lr multipliers and loss EMA included: a refusal after the control op undoes it; the
+    MLP and its Adam state: Phase 1 does not run) and global_step are as before, and once fixed
+    the run goes on exactly as one that never saw it."""
     model = make_mlp_10_32_5(seed=0)
     twin = copy.deepcopy(model)
     opt = titanmac_c.DeepNestedOptimizer(model, **kw)
     clean = titanmac_c.DeepNestedOptimizer(twin, **kw)
     clean.load_state_dict(opt.state_dict())
-    for step in range(1, 7):  # through a Phase 1 step (5) in CMS mode
+    for step in range(1, at):  # through a Phase 1 step (5) in CMS mode
         _step_all(step, (model, opt), (twin, clean))
     params_before, state_before = _snapshot(model, opt)
-    g = _grads(model, 7)
+    g = _grads(model, at)
     _set(model, g)
-    good = model[2].weight.grad
-    model[2].weight.grad = good.t().contiguous().t() if bad == "strided" else good.to_sparse()
+    undo = spoil(model)
     with pytest.raises(err, match=match):
         opt.step(0.5)
+    undo()
     params_after, state_after = _snapshot(model, opt)
-    assert opt.global_step == 6
+    assert opt.global_step == at - 1
     for a, b in zip(params_before, params_after):
         assert torch.equal(a, b)
     _assert_same(state_before, state_after)
-    model[2].weight.grad = good
     _set(twin, g)
-    opt.step(0.5)
-    clean.step(0.5)
+    for step in (at, at + 1):
+        opt.step(0.5)
+        clean.step(0.5)
+        _set(model, _grads(model, step + 1))
+        _set(twin, _grads(model, step + 1))
     for pa, pb in zip(model.parameters(), twin.parameters()):
         assert torch.equal(pa, pb)
+    _assert_same(_roundtrip(opt.state_dict()), _roundtrip(clean.state_dict()))
 
 
 @pytest.mark.parametrize("with_grad, match", [

@@ -99,18 +99,24 @@ def random_inputs(G, gen, param_scale=10.0):
     }
 
 
-def run_ours(st, inp, weights, device, **kw):
-    """Our control step on device; st (CPU) is updated in place, outputs returned on the CPU."""
+def run_ours(st, inp, weights, device, previous=False, **kw):
+    """Our control step on device; st (CPU) is updated in place, outputs returned on the CPU
+    (with previous, also the op's undo record)."""
     d = {k: v.to(device) for k, v in inp.items()}
     mu, ema = st["mu"].to(device), st["ema"].to(device)
     G = mu.numel()
     lr = torch.full((G,), -7.0, device=device)
     coef = torch.full((1,), -7.0, device=device)
     skip = torch.full((1,), -7.0, device=device)
+    if previous:
+        kw["previous"] = torch.full((G + 2,), -7.0, device=device)
     _C.dno_control(d["group_grad"], d["group_param"], d["total_grad"], d["depths"], d["loss"],
                    weights, mu, ema, lr, coef, skip, **kw)
     st["mu"], st["ema"] = mu.cpu(), ema.cpu()
-    return {"lr": lr.cpu(), "coef": coef.cpu(), "skip": skip.cpu()}
+    out = {"lr": lr.cpu(), "coef": coef.cpu(), "skip": skip.cpu()}
+    if previous:
+        out["previous"] = kw["previous"].cpu()
+    return out
 
 
 def ctrl_kwargs(hidden, layers, **kw):
@@ -181,6 +187,34 @@ def test_ema_and_lr_use_the_reference_float_ops(device):
         out = run_ours(st, inp, weights, device, **kw)
         assert torch.equal(st["ema"], ref["ema"]) and torch.equal(st["mu"], ref["mu"])
         assert torch.equal(out["lr"], ref_out["lr"])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("G", [2, 3])
+def test_previous_receives_mu_and_ema_from_before_the_call(device, G):
+    """The optional undo record (the DeepNestedOptimizer restores mu and the loss EMA from it
+    when a later call refuses the step): mu then ema exactly as the call found them, on the
+    first step, controller and other steps and a skipped one; the call's results are the same
+    bits as without it."""
+    net = make_controller(32, 2, seed=3)
+    weights = flat_weights(net, device)
+    gen = torch.Generator().manual_seed(5)
+    with_record, without = fresh_state(G), fresh_state(G)
+    for t in range(1, 8):
+        kw = dict(update_controller=t % 3 == 0 or t == 1, first_step=t == 1, base_lr=1e-3)
+        inp = random_inputs(G, gen)
+        if t == 5:
+            inp["loss"] = torch.tensor([math.nan])
+        before = torch.cat([with_record["mu"], with_record["ema"]])
+        out = run_ours(with_record, inp, weights, device, previous=True,
+                       **ctrl_kwargs(32, 2, **kw))
+        out_plain = run_ours(without, inp, weights, device, **ctrl_kwargs(32, 2, **kw))
+        assert torch.equal(out.pop("previous"), before), t
+        assert torch.equal(out["skip"], torch.tensor([1.0 if t == 5 else 0.0])), t
+        for k in ("mu", "ema"):
+            assert torch.equal(with_record[k], without[k]), (t, k)
+        for k, v in out.items():
+            assert torch.equal(v, out_plain[k]), (t, k)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -117,8 +117,20 @@ def _alias_weights(args, kw, dev):
     return "coef: shares memory with weights\\[1\\]"
 
 
+def _previous_size(args, kw, dev):
+    kw["previous"] = torch.zeros(3, device=dev)  # G + 2 = 4
+    return "previous: expected float32 with 4 elements, got float32 with 3"
+
+
+def _previous_alias(args, kw, dev):
+    buf = torch.full((6,), 0.75, device=dev)
+    args["ema"], kw["previous"] = buf[0:2], buf[1:5]
+    return "ema: shares memory with previous"
+
+
 CASES = [_numel, _count, _out_bias, _weight_dtype, _mu_size, _ema_size, _depths_dtype, _hidden,
-         _layers, _base_lr, _mu_range, _ema_beta, _max_norm, _alias, _alias_weights]
+         _layers, _base_lr, _mu_range, _ema_beta, _max_norm, _alias, _alias_weights,
+         _previous_size, _previous_alias]
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -242,6 +242,7 @@ class CMSModeMixin:
             return
         if self._phase1_cpu_path and float(self.skipped) != 0.0:
             return  # the reference's guard returns before Phase 1 (CUDA: _phase1_targets)
+        self._check_cms_state_matches()
         selected = select_phase1_tensors(self.base_optimizer.param_groups)
         if not selected:
             return
@@ -251,6 +252,20 @@ class CMSModeMixin:
         _fused_clip_grad_norm_(self.momentum_mlp.parameters(), META_GRAD_CLIP, inplace=True)
         self.mlp_optimizer.step()
         self._last_surrogate_loss = total.detach()
+
+    def _check_cms_state_matches(self):
+        """Phase 1 trains the MLP before Phase 2 validates the step's tensors: a parameter that
+        no longer matches its CMS state (`p.data = ...` of another size or device) would have
+        Phase 2 refuse the step after the MLP moved. Refused here first, nothing written."""
+        momentum = self._cms.buffers["momentum"][0]
+        for p in self._gather(with_params=True)[1]:
+            m = momentum[self._cms.index[p]]
+            if m.numel() != p.numel() or m.device != p.device:
+                raise ValueError(
+                    f"parameter {self._param_names[p]!r}: {p.numel()} elements on {p.device}, "
+                    f"its CMS state {m.numel()} on {m.device} (the parameter was replaced since "
+                    "the optimizer was built: build a new optimizer, or load a checkpoint of "
+                    "this model)")
 
     def _phase1_due(self, t):
         """Phase 1 runs at step t (the DirectUpdateMLP's surrogate training)."""

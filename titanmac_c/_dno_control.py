@@ -106,10 +106,11 @@ class ControlStepMixin:
         total.copy_(torch.hypot(total, out[1:]))
 
     def _reraise_named(self, err, params, note=""):
-        """A C-core error about "grads[i]" / "params[i]" of lists in the order of params, with
-        params[i]'s name appended."""
+        """A C-core error about "grads[i]" / "params[i]" (or the CMS state's lists) of lists in
+        the order of params, with params[i]'s name appended."""
         reraise_with_names(err, [f"parameter {self._param_names[p]!r}{note}" for p in params],
-                           lists=("grads", "params"))
+                           lists=("grads", "params", "step_counts"),
+                           level_lists=("momentum", "accumulated", "ema", "v_sq"))
 
     def _param_norms_without_grads(self, missing):
         g = N_GROUPS
@@ -161,4 +162,14 @@ class ControlStepMixin:
             update_controller=update, first_step=(t == 1), check_loss=check_loss,
             base_lr=self.base_lr if base_lr is None else base_lr,
             max_grad_norm=self.max_grad_norm, ema_beta=EMA_LOSS_BETA, mu_min=MIN_LR_MULT,
-            mu_max=MAX_LR_MULT, stream=exec_kwargs(self.device).get("stream"))
+            mu_max=MAX_LR_MULT, stream=exec_kwargs(self.device).get("stream"),
+            previous=self._control_previous)
+
+    def _undo_control(self):
+        """The C core refused a call of the step after the control op (a tensor that no longer
+        matches its state, e.g. after model.half() or `p.data = ...` of another shape): the step
+        did not happen, so the lr multipliers and the loss EMA go back to what the op found
+        (lr, the clip coefficient and the skip flag are rewritten by every step)."""
+        g = N_GROUPS
+        self._lr_multipliers.copy_(self._control_previous[:g])
+        self.ema_loss.copy_(self._control_previous[g:g + 2])

@@ -97,8 +97,12 @@ class GraphState:
         fires = None if opt._cms is None else tuple(opt._cms.fires(t))
         if opt._cms is not None and opt._phase1_due(t):
             self._replay(("head", update), lambda: self._captured_head(t, update))
-            opt._phase1(t)
-            self._replay(("tail", fires), lambda: self._captured_tail(t))
+            try:
+                opt._phase1(t)
+                self._replay(("tail", fires), lambda: self._captured_tail(t))
+            except (BufferError, ValueError, TypeError):
+                opt._undo_control()  # refused after the control op ran: the step did not happen
+                raise
         else:
             self._replay((update, fires), lambda: (self._captured_head(t, update),
                                                    self._captured_tail(t)))

@@ -105,20 +105,38 @@ class Scratch:
         return buf
 
 
-_LIST_INDEX = re.compile(r"^(\w+)\[(\d+)\]")
+# "<list>[<i>]", or "<list>[<level>][<i>]" for the CMS state's lists (one per level)
+_LIST_INDEX = re.compile(r"(\w+)(\[\d+\])?\[(\d+)\]")
 
 
-def reraise_with_names(exc: Exception, flat_names, group_names=None, lists=None):
+def reraise_with_names(exc: Exception, flat_names, group_names=None, lists=None, level_lists=()):
     """Re-raise an error of the C core whose message starts with "<list>[<i>]" with the user's name
-    of tensor i appended, e.g. "exp_avg[3]: ... (param_groups[0]['params'][5])". lists: the list
-    names whose index flat_names follows (None: every list of the call shares it)."""
+    of tensor i appended, e.g. "exp_avg[3]: ... (param_groups[0]['params'][5])"; another tensor
+    the message names (one it shares memory with) is named too: "tensors[2]: shares memory with
+    tensors[0] (parameters[3]; tensors[0] is parameters[1])". lists: the list names whose index
+    flat_names follows (None: every list of the call shares it); level_lists: names of the lists
+    of such lists, one per level, named "<list>[<level>]" by the C core."""
     message = str(exc)
-    match = _LIST_INDEX.match(message)
-    if match and (lists is None or match.group(1) in lists or match.group(1) == "groups"):
-        names = group_names if match.group(1) == "groups" else flat_names
-        index = int(match.group(2))
-        if names is not None and index < len(names):
-            message = f"{message} ({names[index]})"
+    named = []  # (label, name) of every tensor mentioned, the first at the message's start
+    for match in _LIST_INDEX.finditer(message):
+        if not named and match.start() != 0:
+            break
+        label, index = match.group(0), int(match.group(3))
+        is_level, name = match.group(2) is not None, match.group(1)
+        if name == "groups" and not is_level:
+            names = group_names
+        elif is_level:
+            names = flat_names if name in level_lists else None
+        else:
+            names = flat_names if lists is None or name in lists else None
+        user = names[index] if names is not None and index < len(names) else None
+        if user is None and not named:
+            break
+        if user is not None and all(user != u for _, u in named):
+            named.append((label, user))
+    if named:
+        others = "".join(f"; {label} is {user}" for label, user in named[1:])
+        message = f"{message} ({named[0][1]}{others})"
     raise type(exc)(message) from None
 
 

@@ -273,6 +273,8 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin):
         self._lr = torch.full((N_GROUPS,), self.base_lr, **f32)
         self._coef = torch.ones(1, **f32)
         self.skipped = torch.zeros(1, **f32)  # 1.0 after a step the device-side guards skipped
+        # mu | ema as the last control op found them: a step refused after it is undone from here
+        self._control_previous = torch.zeros(N_GROUPS + 2, **f32)
         self._graph = GraphState(self) if use_cuda_graph else None
         self.use_cuda_graph = self._graph is not None and self._graph.supported()
 
@@ -412,14 +414,18 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin):
             self._run_norms(update)
         with prof.step_range(prof.CONTROLLER):
             self._control(t, update, check_loss)
-        if self._cms is not None:
-            self._phase1(t)
-            with prof.step_range(prof.CMS):
-                self._cms_phase2(t)
-        else:
-            with prof.step_range(prof.UPDATE):
-                self.base_optimizer._fused_step(lr=self._lr, grad_scale=self._coef,
-                                                skip=self.skipped, zero_grads_on_skip=True)
+        try:
+            if self._cms is not None:
+                self._phase1(t)
+                with prof.step_range(prof.CMS):
+                    self._cms_phase2(t)
+            else:
+                with prof.step_range(prof.UPDATE):
+                    self.base_optimizer._fused_step(lr=self._lr, grad_scale=self._coef,
+                                                    skip=self.skipped, zero_grads_on_skip=True)
+        except (BufferError, ValueError, TypeError):
+            self._undo_control()
+            raise
 
     # ------------------------------------------------------------------ spec 9, meta-learning
 

@@ -25,6 +25,7 @@ enum {
     DNO_LR,
     DNO_COEF,
     DNO_SKIP,
+    DNO_PREVIOUS,
     DNO_ROLES
 };
 
@@ -50,12 +51,13 @@ static tm_status
 check_dno_numels(const tm_role *roles, int32_t num_groups)
 {
     for (int k = 0; k < DNO_ROLES; k++) {
-        if (k == DNO_WEIGHTS) {
+        if (k == DNO_WEIGHTS || (k == DNO_PREVIOUS && !tm_tensor_given(roles[k].list.tensors))) {
             continue;
         }
         int per_group = k == DNO_GROUP_GRAD || k == DNO_GROUP_PARAM || k == DNO_DEPTHS ||
                         k == DNO_MU || k == DNO_LR;
-        int64_t numel = per_group ? num_groups : (k == DNO_EMA ? 2 : 1);
+        int64_t numel = per_group ? num_groups
+                                  : (k == DNO_EMA ? 2 : (k == DNO_PREVIOUS ? num_groups + 2 : 1));
         TM_TRY(tm_check_f32_numel(roles[k].list.tensors, roles[k].list.name, TM_NO_INDEX, numel));
     }
     return TM_OK;
@@ -142,6 +144,7 @@ tm_validate_dno_control(const tm_dno_control_tensors *t, const tm_dno_control_ar
         [DNO_LR] = tm_lone_role(&t->lr, "lr", TM_ROLE_WRITTEN),
         [DNO_COEF] = tm_lone_role(&t->coef, "coef", TM_ROLE_WRITTEN),
         [DNO_SKIP] = tm_lone_role(&t->skip, "skip", TM_ROLE_WRITTEN),
+        [DNO_PREVIOUS] = tm_lone_role(&t->previous, "previous", TM_ROLE_WRITTEN),
     };
     TM_TRY(tm_roles_structure(roles, DNO_ROLES));
     TM_TRY(check_dno_sizes(args, &roles[DNO_WEIGHTS].list));

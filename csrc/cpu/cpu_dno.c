@@ -58,6 +58,23 @@ run_controller(const tm_dno_control_tensors *t, const tm_dno_control_args *a,
     }
 }
 
+/* The optional undo record: mu then ema before this call writes them. */
+static void
+save_previous(const tm_dno_control_tensors *t, int32_t num_groups)
+{
+    if (t->previous.data == NULL) { /* not given (validated: given means numel G + 2) */
+        return;
+    }
+    float *prev = t->previous.data;
+    const float *mu = t->mu.data;
+    const float *ema = t->ema.data;
+    for (int32_t g = 0; g < num_groups; g++) {
+        prev[g] = mu[g];
+    }
+    prev[num_groups] = ema[0];
+    prev[num_groups + 1] = ema[1];
+}
+
 tm_status
 cpu_dno_control(const tm_dno_control_tensors *t, const tm_dno_control_args *a, const tm_exec *exec)
 {
@@ -68,6 +85,7 @@ cpu_dno_control(const tm_dno_control_tensors *t, const tm_dno_control_args *a, c
     float coef = 1.0f;
     float skip = 1.0f;
     (void)exec;
+    save_previous(t, a->num_groups);
     if (!a->check_loss || isfinite(loss)) {
         float *ema = t->ema.data;
         for (int k = 0; k < 2; k++) {

@@ -21,6 +21,7 @@
 struct dno_params {
     const float *group_grad, *group_param, *total_grad, *depths, *loss;
     float *mu, *ema, *lr, *coef, *skip;
+    float *previous; /* NULL when not wanted */
     const float *w[2 * (TM_DNO_MAX_LAYERS + 1)];
     tm_dno_consts c;
     double base_lr;
@@ -81,6 +82,13 @@ dno_control_kernel(const __grid_constant__ dno_params p)
     __shared__ float act[2][TM_DNO_MAX_HIDDEN];
     const float loss = p.loss[0];
     const bool run = !p.check_loss || isfinite(loss); /* uniform: every thread reads loss */
+    if (p.previous != NULL && threadIdx.x == 0) { /* only thread 0 writes mu and ema, below */
+        for (int32_t g = 0; g < p.num_groups; g++) {
+            p.previous[g] = p.mu[g];
+        }
+        p.previous[p.num_groups] = p.ema[0];
+        p.previous[p.num_groups + 1] = p.ema[1];
+    }
     if (run && threadIdx.x == 0) {
         for (int k = 0; k < 2; k++) {
             p.ema[k] = p.first_step ? loss : tm_dno_ema_elem(p.ema[k], loss, &p.c);
@@ -118,6 +126,7 @@ cuda_dno_control(const tm_dno_control_tensors *t, const tm_dno_control_args *a, 
     p.lr = (float *)t->lr.data;
     p.coef = (float *)t->coef.data;
     p.skip = (float *)t->skip.data;
+    p.previous = (float *)t->previous.data; /* NULL when not given (validated) */
     for (int32_t i = 0; i < t->weights.count; i++) { /* 2 * (layers + 1), validated */
         p.w[i] = (const float *)t->weights.tensors[i].data;
     }

@@ -252,14 +252,15 @@ py_dno_control(PyObject *module, PyObject *args, PyObject *kwargs)
     static char *kwlist[] = {"group_grad", "group_param", "total_grad", "depths", "loss",
                              "weights", "mu", "ema", "lr", "coef", "skip", "hidden", "layers",
                              "update_controller", "first_step", "check_loss", "base_lr",
-                             "max_grad_norm", "ema_beta", "mu_min", "mu_max", "stream", NULL};
-    PyObject *o[11], *req[7] = {NULL}, *stream = Py_None;
+                             "max_grad_norm", "ema_beta", "mu_min", "mu_max", "stream",
+                             "previous", NULL};
+    PyObject *o[11], *req[7] = {NULL}, *stream = Py_None, *previous = Py_None;
     tm_dno_control_args a = {.ema_beta = 0.1, .mu_min = 0.1, .mu_max = 2.0};
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOOOOOO|$OOOOOOOdddO:dno_control", kwlist,
-                                     &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6], &o[7], &o[8],
-                                     &o[9], &o[10], &req[0], &req[1], &req[2], &req[3], &req[4],
-                                     &req[5], &req[6], &a.ema_beta, &a.mu_min, &a.mu_max,
-                                     &stream) ||
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOOOOOO|$OOOOOOOdddOO:dno_control",
+                                     kwlist, &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6], &o[7],
+                                     &o[8], &o[9], &o[10], &req[0], &req[1], &req[2], &req[3],
+                                     &req[4], &req[5], &req[6], &a.ema_beta, &a.mu_min, &a.mu_max,
+                                     &stream, &previous) ||
         dno_required(req, &kwlist[11], &a) < 0) {
         return NULL;
     }
@@ -277,6 +278,9 @@ py_dno_control(PyObject *module, PyObject *args, PyObject *kwargs)
         if (rc < 0) {
             goto done;
         }
+    }
+    if (py_import_optional(&b, previous, "previous", &t.previous) < 0) {
+        goto done;
     }
     /* G is group_grad's length; the core checks every other [G] tensor against it */
     a.num_groups = t.group_grad.numel <= INT32_MAX ? (int32_t)t.group_grad.numel : -1;
