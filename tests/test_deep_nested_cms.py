@@ -52,8 +52,20 @@ def _randomize_legacy_output(ref, ours):
     ours.momentum_mlp.load_state_dict(ref.momentum_mlp.state_dict())
 
 
-def _pair(device, **kw):
-    pair = reference_and_ours(make_mlp_10_32_5(seed=0).to(device), use_cms_updates=True, **kw)
+def _deep_mlp(seed=0, hidden_layers=10):
+    """10 -> 8 -> ... -> 5 with hidden_layers Linear(8, 8): 24 tensors by default, more than the
+    20 that Phase 1 trains on and the 10 that the meta proxy loss samples."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        layers = [torch.nn.Linear(10, 8), torch.nn.ReLU()]
+        for _ in range(hidden_layers):
+            layers += [torch.nn.Linear(8, 8), torch.nn.ReLU()]
+        return torch.nn.Sequential(*layers, torch.nn.Linear(8, 5))
+
+
+def _pair(device, model=None, **kw):
+    model = make_mlp_10_32_5(seed=0) if model is None else model
+    pair = reference_and_ours(model.to(device), use_cms_updates=True, **kw)
     if not kw.get("use_preprocessing", True):
         _randomize_legacy_output(pair[0][1], pair[1][1])
     return pair
@@ -148,10 +160,11 @@ def test_cms_direct_parity_without_resync_50_steps(freqs):
         _compare(ref, ours, model_r, model_o, step, elementwise=False)
 
 
-def _phase1_steps(device, ours_setup, check):
-    """15 steps from the reference's state (synced every step); check(step, name, ours, ref)
-    on the MLP's weights after each Phase 1 step (6 tensors here)."""
-    (model_r, ref), (model_o, ours) = _pair(device)
+def _phase1_steps(device, ours_setup, check, model=None):
+    """15 steps from the reference's state (synced every step); after each Phase 1 step the
+    surrogate loss against the reference's, and check(step, name, ours, ref) on the MLP's
+    weights (6 tensors here)."""
+    (model_r, ref), (model_o, ours) = _pair(device, model)
     ours_setup(ours)
     batches = synthetic_batches("mlp", 15, seed=3, device=device)
     for step, batch in enumerate(batches, start=1):
@@ -159,6 +172,8 @@ def _phase1_steps(device, ours_setup, check):
         _one_step(model_r, ref, batch, step, inject=False)
         _one_step(model_o, ours, batch, step, inject=False)
         if step % ours.mlp_train_freq == 0:
+            torch.testing.assert_close(ours._last_surrogate_loss, ref._last_surrogate_loss,
+                                       rtol=1e-5, atol=0, msg=lambda m: f"step {step}: {m}")
             for (name, wr), wo in zip(ref.momentum_mlp.named_parameters(),
                                       ours.momentum_mlp.parameters()):
                 check(step, name, wo, wr)
@@ -173,18 +188,21 @@ PHASE1_IMPLS = [
 ]
 
 
+@pytest.mark.parametrize("model", ["mlp", "deep"], ids=["4-tensors", "24-tensors"])
 @pytest.mark.parametrize("impl", PHASE1_IMPLS)
-def test_phase1_trains_the_mlp_like_the_reference(impl):
+def test_phase1_trains_the_mlp_like_the_reference(impl, model):
     """Phase 1's gradient from the C core (the CPU's) or from its algorithm in torch ops
     (CUDA's; tests/test_cms_surrogate.py checks both against float64): from the same state, each
     Phase 1 step moves every MLP weight as the reference's does to 1e-3 of the step size
-    (lr = 1e-3; measured <= 3e-5 of it: the gradients differ in rounding only)."""
+    (lr = 1e-3; measured <= 3e-5 of it: the gradients differ in rounding only). With 24 tensors
+    it trains on the first 20, as the reference."""
     device, cpu_path = impl
 
     def check(step, name, wo, wr):
         torch.testing.assert_close(wo, wr, rtol=0, atol=1e-3 * 1e-3,
                                    msg=lambda m: f"step {step} momentum_mlp.{name}: {m}")
-    _phase1_steps(device, lambda ours: setattr(ours, "_phase1_cpu_path", cpu_path), check)
+    _phase1_steps(device, lambda ours: setattr(ours, "_phase1_cpu_path", cpu_path), check,
+                  model=_deep_mlp() if model == "deep" else None)
 
 
 def test_reference_itself_is_this_sensitive():
@@ -359,13 +377,16 @@ def test_nan_gradient_without_clipping_skips_the_level_contribution(device, prep
         assert torch.isfinite(po).all()
 
 
+@pytest.mark.parametrize("model", ["mlp", "deep"], ids=["4-tensors", "24-tensors"])
 @pytest.mark.parametrize("preprocessing", [True, False], ids=["direct", "legacy"])
-def test_meta_proxy_loss_in_cms_mode(preprocessing):
+def test_meta_proxy_loss_in_cms_mode(preprocessing, model):
     """Spec 9.3: from the 10th meta-update on, the meta loss adds the momentum network's proxy
     loss on the level-0 gradient EMA (the history holds meta_update_freq entries, so at least
     10). Meta-updates every 10 steps over 140: last_meta_loss and the controller (which the
-    meta-update trains) against the reference's."""
-    (model_r, ref), (model_o, ours) = _pair("cpu", use_preprocessing=preprocessing,
+    meta-update trains) against the reference's. With 24 tensors the proxy samples the first 5
+    with a gradient of each group, at most 10."""
+    (model_r, ref), (model_o, ours) = _pair("cpu", _deep_mlp() if model == "deep" else None,
+                                            use_preprocessing=preprocessing,
                                             meta_update_freq=10, weight_decay=0.01)
     compared = 0
     for step, batch in enumerate(synthetic_batches("mlp", 140, seed=12), start=1):
@@ -470,6 +491,32 @@ def test_checkpoints_load_both_ways_with_the_reference():
     for p_back, p_ours in zip(back.model.parameters(), model_o.parameters()):
         for level, lvl in enumerate(back.state[p_back].levels):
             assert torch.equal(lvl.momentum, ours.state[p_ours].levels[level].momentum)
+
+
+def test_an_older_checkpoint_without_ema_grad_and_v_sq_loads_them_as_zeros():
+    """Checkpoints written before the reference kept ema_grad and v_sq lack them: they load as
+    zeros, as in the reference, not as the values the buffers held before the load."""
+    (model_r, ref), (model_o, ours) = _pair("cpu", weight_decay=0.01)
+    batches = synthetic_batches("mlp", 8, seed=10)
+    for step, batch in enumerate(batches[:3], start=1):
+        _one_step(model_r, ref, batch, step, inject=False)
+        _one_step(model_o, ours, batch, step, inject=False)
+    old = _roundtrip(ours.state_dict())
+    for levels in old["cms_state"].values():
+        for saved in levels.values():
+            del saved["ema_grad"], saved["v_sq"]
+    for step, batch in enumerate(batches[3:], start=4):
+        _one_step(model_r, ref, batch, step, inject=False)
+        _one_step(model_o, ours, batch, step, inject=False)
+    assert any(bool(ours.state[p].levels[0].ema_grad.any()) for p in model_o.parameters())
+    ref.load_state_dict(copy.deepcopy(old))
+    ours.load_state_dict(copy.deepcopy(old))
+    for pr, po in zip(model_r.parameters(), model_o.parameters()):
+        for level, (lr_, lo) in enumerate(zip(ref.state[pr].levels, ours.state[po].levels)):
+            for name in ("ema_grad", "v_sq", "momentum", "accumulated_grad"):
+                assert torch.equal(getattr(lo, name), getattr(lr_, name)), (level, name)
+            if level == 0:
+                assert not lo.ema_grad.any()
 
 
 def test_state_keeps_2k_plus_1_buffers_and_checkpoints_keep_the_reference_layout():

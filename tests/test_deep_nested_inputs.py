@@ -595,10 +595,18 @@ def _bad_checkpoints(sd):
             exp_avg=torch.zeros(3)))))
     if sd["cms_state"]:
         last = max(sd["cms_state"])
+        first = min(sd["cms_state"])  # 0.weight, [32, 10]
         out += [("cms momentum shape", edit(lambda b: b["cms_state"][last][0].update(
                     momentum=torch.zeros(3)))),
+                ("cms momentum transposed", edit(lambda b: b["cms_state"][first][0].update(
+                    momentum=torch.ones(10, 32)))),
+                ("cms momentum broadcastable", edit(lambda b: b["cms_state"][first][0].update(
+                    momentum=torch.ones(1, 10)))),
                 ("cms levels", edit(lambda b: b["cms_state"][last].update(
                     {7: copy.deepcopy(b["cms_state"][last][0])})))]
+    if "mlp_optimizer" in sd:
+        out.append(("mlp_optimizer groups", edit(lambda b: b["mlp_optimizer"]["param_groups"][0]
+                                                 ["params"].pop())))
     return out
 
 
@@ -607,7 +615,8 @@ def test_a_checkpoint_that_does_not_fit_raises_and_loads_nothing(kw):
     """Every part is checked before load_state_dict writes: a refused checkpoint leaves the
     optimizer bit for bit as it was (it had loaded the AdamW state, the modules, global_step and
     part of the CMS state before raising), and after the good checkpoint training continues as
-    an untouched twin's."""
+    an untouched twin's. The bad checkpoints are edits of one taken two steps earlier, so that a
+    part loaded before the refusal would show."""
     twins = []
     for _ in range(2):
         model = make_mlp_10_32_5(seed=0)
@@ -619,9 +628,11 @@ def test_a_checkpoint_that_does_not_fit_raises_and_loads_nothing(kw):
             opt.zero_grad()
             loss_fn(model, batch).backward()
             opt.step(float(step))
+        if step == 3:
+            earlier = _roundtrip(twins[1][1].state_dict())
     (model, opt), (model_twin, twin) = twins
     good = _roundtrip(twin.state_dict())
-    for what, bad in _bad_checkpoints(_roundtrip(twin.state_dict())):
+    for what, bad in _bad_checkpoints(earlier):
         before = _roundtrip(opt.state_dict())
         with pytest.raises((ValueError, RuntimeError, KeyError)):
             opt.load_state_dict(bad)

@@ -218,16 +218,18 @@ def test_corrected_run_matches_the_corrected_reference(mode):
             assert [lvl.step_count for lvl in st.levels] == counts
 
 
-def test_corrected_direct_network_step_by_step():
+@pytest.mark.parametrize("freqs", [FREQS, [2, 3, 7]], ids=["f1-3-7", "f2-3-7"])
+def test_corrected_direct_network_step_by_step(freqs):
     """The DirectUpdateMLP path with all four corrections (B1, B4, B6, B7; cms_frequencies
-    [1, 3, 7]) against CorrectedReference over 105 steps. Its dynamics amplify last-bit
+    [1, 3, 7], and [2, 3, 7], where Phase 1 divides the gradient by f_0 = 2) against
+    CorrectedReference over 105 steps. Its dynamics amplify last-bit
     differences (tests/test_deep_nested_cms.py), so each step starts from the reference's state
     (sync_cms_from_reference) and checks that step's computation: parameters, CMS buffers, fire
     counts and multipliers as in the free run, and on each Phase 1 step (every 5) the surrogate
     loss (rtol 1e-5, as test_b1_phase1_in_the_c_core_trains_like_the_torch_ops) and every MLP
     weight (MLP_STEP_TOL) trained on the current clipped gradient (B1)."""
     (model_r, ref), (model_o, ours) = _corrected_pair(
-        use_cms_updates=True, cms_frequencies=FREQS, weight_decay=0.01, meta_update_freq=20)
+        use_cms_updates=True, cms_frequencies=freqs, weight_decay=0.01, meta_update_freq=20)
     for step, batch in enumerate(synthetic_batches("mlp", 105, seed=7), start=1):
         sync_cms_from_reference(ref, ours, model_r, model_o)
         res_r = _one_step(model_r, ref, batch)
