@@ -236,3 +236,54 @@ def test_steps_follow_changes_to_groups_and_state(device):
     ours.step()
     theirs.step()
     assert_state_close(ours, theirs, params_a, params_b, tol(torch.float32, device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_zero_lr_accepted_and_moves_only_the_state_like_torch(device):
+    """lr=0.0 is a valid learning rate in torch (warm-up schedules start there): construction
+    accepts it, and steps with weight decay leave the parameters as they were while the moments
+    and step counts move exactly as torch's do."""
+    params_a = make_params([3, 255, 4097], device)
+    params_b = clone_params(params_a)
+    initial = [p.detach().clone() for p in params_a]
+    ours = titanmac_c.AdamW(params_a, lr=0.0, weight_decay=0.1, amsgrad=True)
+    theirs = torch.optim.AdamW(params_b, lr=0.0, weight_decay=0.1, amsgrad=True)
+    for step in range(3):
+        set_grads(params_a, params_b, step)
+        ours.step()
+        theirs.step()
+        assert_state_close(ours, theirs, params_a, params_b, tol(torch.float32, device))
+        for pa, pb, p0 in zip(params_a, params_b, initial):
+            assert torch.equal(pb, p0)  # torch's lr 0 step leaves it too
+            assert torch.equal(pa, p0)
+            assert float(ours.state[pa]["step"]) == step + 1
+            assert ours.state[pa]["exp_avg"].abs().sum() > 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_parameter_replaced_in_a_group_list_with_its_old_state_kept(device):
+    """A parameter replaced inside a group's list after steps (the cached plan exists, the old
+    parameter keeps its state and a gradient, so the state's size is unchanged): the new one is
+    stepped from fresh state and the old one no longer moves, as in torch."""
+    params_a = make_params([10, 20, 30], device, misaligned=False)
+    params_b = clone_params(params_a)
+    ours = titanmac_c.AdamW(params_a, lr=1e-2, weight_decay=0.01)
+    theirs = torch.optim.AdamW(params_b, lr=1e-2, weight_decay=0.01)
+    run_pair(ours, theirs, params_a, params_b, steps=3)
+    assert ours._plan is not None
+    old_a, old_b = params_a[1], params_b[1]
+    new_a = torch.nn.Parameter(torch.randn(20, device=device))
+    new_b = torch.nn.Parameter(new_a.detach().clone())
+    ours.param_groups[0]["params"][1] = params_a[1] = new_a
+    theirs.param_groups[0]["params"][1] = params_b[1] = new_b
+    old_values = old_a.detach().clone(), old_b.detach().clone()
+    for step in range(3, 6):
+        set_grads(params_a, params_b, step)
+        old_a.grad = old_b.grad = torch.ones(20, device=device)  # a gradient the step must ignore
+        ours.step()
+        theirs.step()
+        assert_state_close(ours, theirs, params_a, params_b, tol(torch.float32, device))
+        assert float(ours.state[new_a]["step"]) == step - 2
+        assert torch.equal(old_a.detach(), old_values[0]), "the replaced parameter moved"
+        assert torch.equal(old_b.detach(), old_values[1])  # torch's does not move either
+        assert float(ours.state[old_a]["step"]) == 3.0

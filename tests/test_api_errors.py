@@ -3,6 +3,7 @@ parameters and optimizer state bitwise unchanged."""
 
 import copy
 import math
+import re
 
 import numpy as np
 import pytest
@@ -71,7 +72,7 @@ def test_state_on_meta_device():
 
 def test_corrupted_state_through_load_state_dict():
     opt, params = _setup()
-    sd = opt.state_dict()
+    sd = copy.deepcopy(opt.state_dict())  # state_dict() shares the entries with opt.state
     sd["state"][2]["exp_avg"] = torch.zeros(4)  # params[2] has 9 elements
     expect_refused(opt, params, ValueError,
             r"load_state_dict: param_groups\[1\]\['params'\]\[0\]: exp_avg has shape \(4,\), "
@@ -81,16 +82,52 @@ def test_corrupted_state_through_load_state_dict():
 
 def test_load_state_dict_missing_amsgrad_state():
     opt, params = _setup(amsgrad=True)
-    sd = opt.state_dict()
+    sd = copy.deepcopy(opt.state_dict())  # state_dict() shares the entries with opt.state
     del sd["state"][1]["max_exp_avg_sq"]
     expect_refused(opt, params, ValueError, r"has no 'max_exp_avg_sq'", lambda: opt.load_state_dict(sd))
 
 
 def test_load_state_dict_wrong_step_shape():
     opt, params = _setup()
-    sd = opt.state_dict()
+    sd = copy.deepcopy(opt.state_dict())  # state_dict() shares the entries with opt.state
     sd["state"][0]["step"] = torch.zeros(2)
     expect_refused(opt, params, ValueError, r"step has 2 elements", lambda: opt.load_state_dict(sd))
+
+
+def test_load_state_dict_entry_without_step():
+    """A checkpoint whose state entry lacks 'step' is refused, naming the parameter, with nothing
+    changed (torch's load raises a bare KeyError('step') after it has replaced the state)."""
+    opt, params = _setup()
+    sd = copy.deepcopy(opt.state_dict())  # state_dict() shares the entries with opt.state
+    del sd["state"][2]["step"]  # params[1], the first of the second group
+    expect_refused(opt, params, ValueError,
+                   r"^load_state_dict: param_groups\[1\]\['params'\]\[0\]: state has no 'step'$",
+                   lambda: opt.load_state_dict(sd))
+    assert all(float(opt.state[p]["step"]) == 2.0 for p in params)
+
+
+@pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan])
+def test_optimizer_clip_error_if_nonfinite_like_torch(bad):
+    """AdamW.clip_grad_norm_(..., error_if_nonfinite=True) raises torch's RuntimeError, with
+    torch's message, for an infinite total norm as for a NaN one (computed, or given as
+    total_norm), leaving gradients, parameters and state unchanged."""
+    opt, params = _setup()
+    params[2].grad[4] = bad
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for t, p in zip(twins, params):
+        t.grad = p.grad.clone()
+    with pytest.raises(RuntimeError) as theirs:
+        torch.nn.utils.clip_grad_norm_(twins, 1.0, error_if_nonfinite=True)
+    grads = [p.grad.clone() for p in params]
+    for action in (lambda: opt.clip_grad_norm_(1.0, error_if_nonfinite=True),
+                   lambda: opt.clip_grad_norm_(1.0, error_if_nonfinite=True,
+                                               total_norm=torch.tensor(abs(bad)))):
+        expect_refused(opt, params, type(theirs.value), f"^{re.escape(str(theirs.value))}$",
+                       action)
+        for p, g in zip(params, grads):
+            torch.testing.assert_close(p.grad, g, rtol=0, atol=0, equal_nan=True)
+    for t, g in zip(twins, grads):  # torch's are untouched too
+        torch.testing.assert_close(t.grad, g, rtol=0, atol=0, equal_nan=True)
 
 
 # --------------------------------------------------------------- bad tensors

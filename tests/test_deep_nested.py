@@ -14,6 +14,7 @@ step 142 of the TitanMAC-like run): CUDA has its own state tolerances (STATE_TOL
 import copy
 import io
 import math
+import warnings
 
 import pytest
 import torch
@@ -262,3 +263,125 @@ def test_cuda_graph_request_without_cuda_warns_and_runs_eagerly():
         _one_step(model_b, eager, batch, 0)
     for pa, pb in zip(model_a.parameters(), model_b.parameters()):
         assert torch.equal(pa, pb)
+
+
+# ---------------------------------------------------------------- small behaviours of the API
+
+
+def _plain_step(model, opt, batch, loss_of=lambda loss: loss.item(), edit=None):
+    opt.zero_grad()
+    loss = loss_fn(model, batch)
+    loss.backward()
+    if edit is not None:
+        edit(model)
+    return opt.step(loss_of(loss))
+
+
+def _assert_controllers_close(ref, ours, what):
+    for (name, wr), wo in zip(ref.controller.named_parameters(), ours.controller.parameters()):
+        torch.testing.assert_close(wo, wr, rtol=1e-5, atol=1e-7,
+                                   msg=lambda m: f"{what} controller.{name}: {m}")
+
+
+def _nan_in_a_gradient(model):
+    next(model.parameters()).grad.view(-1)[0] = math.nan
+
+
+def test_a_step_the_guard_skips_gets_no_meta_update():
+    """A NaN gradient on a meta-update step (every 2nd here): the device-side guard skips the
+    step, and the meta-update with it, as the reference's skip returns before it: the same
+    meta history and controller."""
+    (model_r, ref), (model_o, ours) = _pair("mlp", "cpu", meta_update_freq=2)
+    for step, batch in enumerate(synthetic_batches("mlp", 6, seed=2), start=1):
+        edit = _nan_in_a_gradient if step == 4 else None
+        _plain_step(model_r, ref, batch, edit=edit)
+        _plain_step(model_o, ours, batch, loss_of=lambda loss: loss.detach(), edit=edit)
+        assert len(ours.meta_trainer.loss_history) == len(ref.meta_trainer.loss_history), step
+        _assert_controllers_close(ref, ours, f"step {step}")
+    assert float(ours.skipped) == 0.0 and len(ref.meta_trainer.loss_history) == 2
+
+
+def test_step_results_and_state_dicts_are_snapshots():
+    """The dict step() returns and an in-memory state_dict() keep the multipliers and the loss
+    EMA of their step (the reference's step replaces those tensors; ours updates its device
+    buffers in place, so both hand out copies)."""
+    model = make_mlp_10_32_5(seed=0)
+    opt = titanmac_c.DeepNestedOptimizer(model, controller_update_freq=1)
+    kept = []
+    for batch in synthetic_batches("mlp", 4, seed=5):
+        result = _plain_step(model, opt, batch)
+        sd = opt.state_dict()
+        kept.append((result, sd, {k: result[k].clone() for k in ("lr_multipliers", "ema_loss")},
+                     {k: sd[k].clone() for k in ("lr_multipliers", "ema_loss")}))
+    assert not torch.equal(kept[0][2]["lr_multipliers"], kept[-1][2]["lr_multipliers"])
+    for result, sd, result_then, sd_then in kept:
+        for k in ("lr_multipliers", "ema_loss"):
+            assert torch.equal(result[k], result_then[k]) and torch.equal(sd[k], sd_then[k]), k
+
+
+def test_set_loss_is_used_by_one_step():
+    """set_loss(v) then step(): v is the step's loss; the next step() without a loss warns and
+    uses 0.0, as the reference (the loss EMA is the reference's after both)."""
+    (model_r, ref), (model_o, ours) = _pair("mlp", "cpu")
+    for step, batch in enumerate(synthetic_batches("mlp", 3, seed=6), start=1):
+        for model, opt in ((model_r, ref), (model_o, ours)):
+            opt.zero_grad()
+            loss_fn(model, batch).backward()
+            if step == 1:
+                opt.set_loss(5.0)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                opt.step()
+            if opt is ours:
+                assert any("without a loss" in str(w.message) for w in caught) == (step == 2)
+        torch.testing.assert_close(ours.ema_loss, ref.ema_loss, rtol=1e-6, atol=0)
+
+
+def test_a_nan_float_loss_sets_the_gradients_to_none_as_the_reference():
+    (model_r, ref), (model_o, ours) = _pair("mlp", "cpu")
+    batch = synthetic_batches("mlp", 1, seed=1)[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for model, opt in ((model_r, ref), (model_o, ours)):
+            result = _plain_step(model, opt, batch, loss_of=lambda loss: math.nan)
+            assert result["skipped"] and all(p.grad is None for p in model.parameters())
+
+
+def test_resume_between_controller_steps_uses_the_saved_multipliers():
+    """With controller_update_freq=10 the multipliers of a loaded checkpoint drive the steps
+    until the next controller step: the learning rates are the reference's after the load."""
+    (model_r, ref), (model_o, ours) = _pair("mlp", "cpu", controller_update_freq=10)
+    batches = synthetic_batches("mlp", 5, seed=8)
+    for batch in batches[:3]:
+        _plain_step(model_r, ref, batch)
+        _plain_step(model_o, ours, batch)
+    sd = _roundtrip(ours.state_dict())
+    sd["lr_multipliers"] = torch.tensor([1.5, 0.7])
+    for opt in (ref, ours):
+        opt.load_state_dict(copy.deepcopy(sd))
+    torch.testing.assert_close(ours.get_lr_multipliers(), torch.tensor([1.5, 0.7]))
+    for batch in batches[3:]:
+        _plain_step(model_r, ref, batch)
+        _plain_step(model_o, ours, batch)
+        torch.testing.assert_close(torch.tensor(ours.get_effective_lrs()),
+                                   torch.tensor(ref.get_effective_lrs()), rtol=1e-6, atol=0)
+        for (name, pr), po in zip(model_r.named_parameters(), model_o.parameters()):
+            torch.testing.assert_close(po, pr, **PARAM_TOL, msg=name)
+
+
+def test_explicit_meta_update_reads_the_first_4_rows_of_a_language_model_batch():
+    """meta_update(batch) with an input_ids batch of 8 rows evaluates the model on its first 4
+    (the reference's EXPLICIT_META_ROWS), here rows whose loss differs from the rest's: the
+    recorded validation loss and the trained controller are the reference's."""
+    model_r = make_titanmac_like_model(seed=0)
+    (model_r, ref), (model_o, ours) = reference_and_ours(model_r, mode="explicit")
+    batch = synthetic_batches("titanmac", 1, seed=3, batch_size=8)[0]
+    batch["labels"][4:] = batch["input_ids"][4:]  # rows 4-7 ask for the current token: other loss
+    with torch.no_grad():
+        assert float(loss_fn(model_r, {k: v[:4] for k, v in batch.items()})) != pytest.approx(
+            float(loss_fn(model_r, batch)), rel=1e-3)
+    for opt in (ref, ours):
+        opt.meta_update(batch, use_unrolled=False)
+    assert ours.meta_trainer.loss_history[-1] == pytest.approx(ref.meta_trainer.loss_history[-1],
+                                                               rel=1e-6)
+    _assert_controllers_close(ref, ours, "meta_update")

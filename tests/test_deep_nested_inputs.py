@@ -543,15 +543,21 @@ def test_parameters_added_to_the_model_later_count_in_the_clip_norm(kw):
 
 @pytest.mark.parametrize("kw", MODES, ids=MODE_IDS)
 def test_controller_weights_replaced_between_steps_are_used_as_the_references(kw):
-    """load_state_dict(..., assign=True) on the controller swaps its Parameter objects, and
-    `w.data = ...` its storage: the next steps run the new weights (ours had kept views of the
-    old ones), as the reference does."""
+    """load_state_dict(..., assign=True) on the controller swaps its Parameter objects,
+    `w.data = ...` its storage, and `opt.controller = other` the module (one built before the
+    run, so no module registration happens in between): the next steps run the new weights
+    (ours had kept views of the old ones), as the reference does."""
     (model_r, ref), (model_o, ours) = reference_and_ours(make_mlp_10_32_5(seed=0),
                                                          meta_update_freq=1000, **kw)
     gen = torch.Generator().manual_seed(3)
     new = {k: torch.randn(v.shape, generator=gen) * 0.3
            for k, v in ref.controller.state_dict().items()}
-    for step, batch in enumerate(synthetic_batches("mlp", 8, seed=9), start=1):
+    other = copy.deepcopy(ref.controller)
+    with torch.no_grad():
+        for w in other.parameters():
+            w.copy_(torch.randn(w.shape, generator=gen) * 0.3)
+    others = {id(ref): copy.deepcopy(other), id(ours): copy.deepcopy(other)}
+    for step, batch in enumerate(synthetic_batches("mlp", 9, seed=9), start=1):
         if step == 4:
             for opt in (ref, ours):
                 opt.controller.load_state_dict({k: v.clone() for k, v in new.items()},
@@ -560,6 +566,9 @@ def test_controller_weights_replaced_between_steps_are_used_as_the_references(kw
             for opt in (ref, ours):
                 w = next(opt.controller.parameters())
                 w.data = w.data * 0.5
+        if step == 8:  # the module replaced
+            for opt in (ref, ours):
+                opt.controller = others[id(opt)]
         for model, opt in ((model_r, ref), (model_o, ours)):
             opt.zero_grad()
             loss = loss_fn(model, batch)

@@ -3,12 +3,13 @@ running in C (no per-parameter aten arithmetic)."""
 
 import copy
 import io
+import pickle
 
 import pytest
 import torch
 
 import titanmac_c
-from conftest import DEVICES, SIZES, clone_params, make_params, set_grads
+from conftest import DEVICES, SIZES, clone_params, make_params, set_grads, tol
 
 
 def _train(opt, params, start, steps):
@@ -272,3 +273,66 @@ def test_in_place_writes_bump_version_counters_like_torch(device):
         before = w.grad._version
         clip([w], 1.0)
         assert w.grad._version > before, clip
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_clip_coefficient_applies_to_the_next_step_only(device):
+    """clip_grad_norm_ at steps 1 and 3 of 5 (gradients re-assigned each step, no zero_grad)
+    matches torch's clip_grad_norm_ + AdamW after every step: a coefficient is used by the step
+    after it, on the first full step and on later steps through the cached plan, and then dropped,
+    where a leftover one would scale the next, unclipped, step."""
+    params_a = make_params(SIZES[:4], device, misaligned=False)
+    params_b = clone_params(params_a)
+    ours = titanmac_c.AdamW(params_a, lr=1e-2, weight_decay=0.01)
+    theirs = torch.optim.AdamW(params_b, lr=1e-2, weight_decay=0.01)
+    for step in range(5):
+        set_grads(params_a, params_b, step)  # norm ~ sqrt(4356): clipped to 1
+        if step in (0, 2):
+            norm = ours.clip_grad_norm_(1.0)
+            torch.testing.assert_close(norm, torch.nn.utils.clip_grad_norm_(params_b, 1.0),
+                                       rtol=1e-6, atol=0)
+        ours.step()
+        theirs.step()
+        for i, (a, b) in enumerate(zip(params_a, params_b)):
+            torch.testing.assert_close(a.detach().cpu(), b.detach().cpu(),
+                                       **tol(torch.float32, device),
+                                       msg=lambda m: f"step {step} params[{i}]: {m}")
+            for key in ("exp_avg", "exp_avg_sq"):
+                torch.testing.assert_close(ours.state[a][key].cpu(), theirs.state[b][key].cpu(),
+                                           **tol(torch.float32, device),
+                                           msg=lambda m: f"step {step} {key}[{i}]: {m}")
+
+
+@pytest.mark.parametrize("how", ["pickle", "deepcopy"])
+def test_a_pickled_or_deep_copied_optimizer_keeps_stepping_like_torch(how):
+    """A copy of a stepped optimizer (pickle round trip or copy.deepcopy, which rebuild it
+    through __setstate__) steps its own copies of the parameters as torch's copied AdamW does;
+    the original is not touched."""
+    dup = (lambda o: pickle.loads(pickle.dumps(o))) if how == "pickle" else copy.deepcopy
+    params_a = make_params([10, 255, 4097], "cpu", misaligned=False)
+    params_b = clone_params(params_a)
+    groups = lambda ps: [{"params": ps[:2]}, {"params": ps[2:], "lr": 3e-3, "amsgrad": True}]
+    ours = titanmac_c.AdamW(groups(params_a), lr=1e-2, weight_decay=0.05)
+    theirs = torch.optim.AdamW(groups(params_b), lr=1e-2, weight_decay=0.05)
+    _train(ours, params_a, 0, 3)
+    _train(theirs, params_b, 0, 3)
+    before = [p.detach().clone() for p in params_a]
+    ours_2, theirs_2 = dup(ours), dup(theirs)
+    copy_a = [p for g in ours_2.param_groups for p in g["params"]]
+    copy_b = [p for g in theirs_2.param_groups for p in g["params"]]
+    assert all(a is not b for a, b in zip(copy_a, params_a))
+    for step in range(3, 5):
+        set_grads(copy_a, copy_b, step)
+        ours_2.step()
+        theirs_2.step()
+    for i, (a, b) in enumerate(zip(copy_a, copy_b)):
+        torch.testing.assert_close(a, b, **tol(torch.float32, "cpu"),
+                                   msg=lambda m: f"params[{i}]: {m}")
+        for key in theirs_2.state[b]:
+            torch.testing.assert_close(ours_2.state[a][key], theirs_2.state[b][key].float(),
+                                       **tol(torch.float32, "cpu"),
+                                       msg=lambda m: f"{key}[{i}]: {m}")
+        assert float(ours_2.state[a]["step"]) == 5.0
+    for p, b in zip(params_a, before):
+        assert torch.equal(p.detach(), b)
+        assert float(ours.state[p]["step"]) == 3.0
