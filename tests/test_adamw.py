@@ -287,3 +287,42 @@ def test_parameter_replaced_in_a_group_list_with_its_old_state_kept(device):
         assert torch.equal(old_a.detach(), old_values[0]), "the replaced parameter moved"
         assert torch.equal(old_b.detach(), old_values[1])  # torch's does not move either
         assert float(ours.state[old_a]["step"]) == 3.0
+
+
+def _run_large_first_gradient(device, betas, amsgrad, steps=6):
+    """Two parameters, a first gradient 100 times the later ones (amsgrad's max_exp_avg_sq then
+    stays above exp_avg_sq), ours and torch's stepped side by side."""
+    gen = torch.Generator().manual_seed(0)
+    params_a = [torch.nn.Parameter(torch.randn(1000, generator=gen).to(device)) for _ in range(2)]
+    params_b = clone_params(params_a)
+    kw = dict(lr=1e-2, betas=betas, weight_decay=0.01, amsgrad=amsgrad)
+    ours, theirs = titanmac_c.AdamW(params_a, **kw), torch.optim.AdamW(params_b, **kw)
+    for step in range(steps):
+        scale = 10.0 if step == 0 else 0.1
+        for pa, pb in zip(params_a, params_b):
+            g = (torch.randn(pa.shape, generator=gen) * scale).to(device)
+            pa.grad, pb.grad = g.clone(), g.clone()
+        ours.step()
+        theirs.step()
+    return ours, theirs, params_a, params_b
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("beta1", [0.3, 0.5])
+def test_amsgrad_small_beta1_large_first_gradient(device, beta1):
+    """amsgrad with beta1 <= 0.5 (the lerp's 1 - beta1 >= 0.5 arm) matches torch while
+    max_exp_avg_sq stays above exp_avg_sq."""
+    ours, theirs, params_a, params_b = _run_large_first_gradient(device, (beta1, 0.999), True)
+    assert_state_close(ours, theirs, params_a, params_b, tol(torch.float32, device))
+    for pa in params_a:
+        st = ours.state[pa]
+        assert (st["max_exp_avg_sq"] > st["exp_avg_sq"]).any()
+
+
+def test_exp_avg_bitwise_at_beta1_half():
+    """At beta1 = 0.5 torch.lerp takes its end - (end - start) * (1 - w) arm: exp_avg must equal
+    torch's to the bit (CPU)."""
+    ours, theirs, params_a, params_b = _run_large_first_gradient("cpu", (0.5, 0.999), False)
+    assert_state_close(ours, theirs, params_a, params_b, tol(torch.float32, "cpu"))
+    for pa, pb in zip(params_a, params_b):
+        assert torch.equal(ours.state[pa]["exp_avg"], theirs.state[pb]["exp_avg"])

@@ -203,6 +203,22 @@ def test_group_index_out_of_range():
     assert torch.equal(p, torch.ones(3))
 
 
+@pytest.mark.parametrize("hp, vmax, match", [
+    ((1.0, 0.999, 1e-8, 0.0, False), [], r"groups\[0\]: beta1 = 1 is not in \[0, 1\)"),
+    ((0.9, 0.999, 1e-8, 0.0, False), [torch.zeros(3)],
+     r"max_exp_avg_sq: amsgrad is off, expected 0 tensors, got 1"),
+], ids=["beta1_one", "max_exp_avg_sq_without_amsgrad"])
+def test_c_api_refuses_bad_group_exactly_and_writes_nothing(hp, vmax, match):
+    """_C.adamw_step refuses beta1 = 1 and a max_exp_avg_sq tensor with amsgrad off, exactly."""
+    p, g, m, v = torch.ones(3), torch.ones(3), torch.zeros(3), torch.zeros(3)
+    step = torch.zeros(())
+    written = [p, m, v, step] + vmax
+    snap = [t.clone() for t in written]
+    with pytest.raises(ValueError, match="^" + match + "$"):
+        _C.adamw_step([p], [g], [m], [v], vmax, [step], torch.full((1,), 0.1), [hp])
+    assert all(torch.equal(a, b) for a, b in zip(written, snap)), "a tensor was written"
+
+
 # --------------------------------------------------------------- bad hyperparameters
 
 

@@ -272,6 +272,58 @@ def test_momentum_clamp(device, net):
         assert m.norm().item() == pytest.approx(100 * g.norm().item(), rel=1e-5)
 
 
+@pytest.mark.parametrize("net", ["direct", "legacy"])
+def test_zero_gradient_clamps_momentum_to_the_floor(net):
+    """A zero gradient with zeroed accumulators (g^ = 0): the reference clamps ||m'|| to
+    100 * max(||g^||, 1e-8) = 1e-6 rather than zeroing m, and so do we."""
+    ref, params, group_of = make_case(net, (1, 10, 100), 0.0, torch.float32, sizes=[1, 3, 4097])
+    for p in params:
+        for lvl in ref.state[p].levels:
+            lvl.accumulated_grad.zero_()
+    ours = Ours(ref, params, group_of, "cpu")
+    grads = [torch.zeros(p.numel()) for p in params]
+    old = ours.snapshot()
+    ref_step(ref, params, group_of, grads, 99, None)  # level 0 fires alone
+    ours.step(grads, 99)
+    assert_matches(ours, ref, params, "cpu", torch.float32, old)
+    for i, m in enumerate(ours.state["momentum"][0]):
+        assert abs(m.norm().item() - 1e-6) <= 1e-11, (net, i, m.norm().item())
+
+
+@pytest.mark.parametrize("net", ["direct", "legacy"])
+def test_one_non_finite_level_among_finite_ones(net):
+    """A NaN in accumulated[1] only, levels 0 and 2 clean, t = 100 (all fire): level 1 alone is
+    dropped, the parameters stay finite and match the reference."""
+    ref, params, group_of = make_case(net, (1, 10, 100), 0.01, torch.float32, sizes=[3, 70])
+    for p in params:
+        ref.state[p].levels[1].accumulated_grad.view(-1)[0] = float("nan")
+    ours = Ours(ref, params, group_of, "cpu")
+    grads = make_grads(params, torch.Generator().manual_seed(1), torch.float32)
+    old = ours.snapshot()
+    ref_step(ref, params, group_of, grads, 100, 0.75)
+    ours.step(grads, 100, 0.75)
+    assert all(torch.isfinite(p).all() for p in ours.params)
+    assert all(torch.isfinite(p).all() for p in params)
+    assert_matches(ours, ref, params, "cpu", torch.float32, old)
+
+
+def test_bf16_param_update_matches_torch_add_bitwise():
+    """DIRECT with zero weights and output bias c gives delta = c exactly, so the bf16 update
+    must equal torch's p.add_(c.to(bf16), alpha=-lr) bit for bit (CPU: alpha rounded to bf16)."""
+    n, lr, c = 100003, 0.013, 0.37
+    p0 = torch.randn(n, generator=torch.Generator().manual_seed(0)).bfloat16()
+    p = p0.clone()
+    g = torch.ones(n, dtype=torch.bfloat16)
+    st = [[[torch.zeros(n)]] for _ in range(4)]
+    w = [torch.zeros(8), torch.zeros(2), torch.zeros(2), torch.full((1,), c)]  # H = 2, L = 1
+    scratch = torch.empty(_C.cms_scratch_bytes([p], levels=1, net="direct"), dtype=torch.uint8)
+    _C.cms_step([p], [g], *st, [torch.zeros(1)], torch.tensor([lr]), None, w, fires=[True],
+                divisors=[1.0], ema_decays=[0.99], net="direct", hidden=2, layers=1,
+                weight_decay=0.0, t=1, base_lr=0.1, loss=None, scratch=scratch)
+    want = p0.clone().add_(torch.full((n,), c).to(torch.bfloat16), alpha=-lr)
+    assert torch.equal(p, want), f"{int((p != want).sum())} of {n} elements differ"
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("net", ["direct", "legacy"])
 def test_nan_gradient_skips_levels(device, net):
@@ -297,13 +349,15 @@ def test_nan_gradient_skips_levels(device, net):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("net", ["direct", "legacy"])
-def test_skip_changes_nothing(device, net):
+@pytest.mark.parametrize("skip", [1.0, -1.0, float("nan")], ids=["one", "negative", "nan"])
+def test_skip_changes_nothing(device, net, skip):
+    """Any nonzero skip (also -1 and NaN, not only positive values) leaves everything as it was."""
     ref, params, group_of = make_case(net, (1, 10, 100), 0.01, torch.bfloat16, device)
     ours = Ours(ref, params, group_of, device)
     snap = [t.clone() for t in ours.params + ours.steps] + [
         t.clone() for k in STATE_KEYS for lv in ours.state[k] for t in lv]
     grads = make_grads(params, torch.Generator().manual_seed(1), torch.bfloat16)
-    ours.step(grads, 100, 0.75, skip=1.0)
+    ours.step(grads, 100, 0.75, skip=skip)
     after = ours.params + ours.steps + [t for k in STATE_KEYS for lv in ours.state[k] for t in lv]
     assert all(torch.equal(a, b) for a, b in zip(after, snap))
 

@@ -151,9 +151,89 @@ def _scratch(args, kw):
     return ValueError, f"scratch: CPU needs {need} bytes, got 8 \\(see cms_scratch_bytes\\)"
 
 
+def _ema_decay(args, kw):
+    # a decay above 1 would make the EMA diverge
+    kw["ema_decays"] = [1.5, 0.999, 0.9999]
+    return ValueError, "ema_decays\\[0\\] = 1.5: must be in \\[0, 1\\]"
+
+
+def _beta2(args, kw):
+    # beta2 outside [0, 1] is refused
+    kw["beta2"] = 1.5
+    return ValueError, "beta2 = 1.5: must be in \\[0, 1\\]"
+
+
+def _clamp_ratio(args, kw):
+    # the momentum-norm clamp ratio must be strictly positive
+    kw["clamp_ratio"] = 0.0
+    return ValueError, "clamp_ratio = 0: must be finite and > 0"
+
+
+def _weight_decay(args, kw):
+    # a negative weight decay is refused
+    kw["weight_decay"] = -0.1
+    return ValueError, "weight_decay = -0.1: must be finite and >= 0"
+
+
+def _momentum_coef(args, kw):
+    # momentum_coef outside [0, 1] is refused
+    kw["momentum_coef"] = 1.5
+    return ValueError, "momentum_coef = 1.5: must be in \\[0, 1\\]"
+
+
+def _negative_t(args, kw):
+    # the global step t may not be negative
+    kw["t"] = -1
+    return ValueError, "t = -1: must be finite and >= 0"
+
+
+def _base_lr_inf(args, kw):
+    # a non-finite base learning rate is refused
+    kw["base_lr"] = float("inf")
+    return ValueError, "base_lr = inf: must be finite"
+
+
+def _vsq_dtype(args, kw):
+    # v_sq state (level 1, tensor 2) must be float32, like the other CMS state lists
+    args["v_sq"][1][2] = torch.zeros(3, dtype=torch.bfloat16)
+    return ValueError, "v_sq\\[1\\]\\[2\\]: dtype bfloat16, CMS state must be float32"
+
+
+def _accumulated_empty(args, kw):
+    # an empty level list is a count mismatch, not a skipped level
+    args["accumulated"][0] = []
+    return ValueError, "accumulated\\[0\\]: 0 tensors, params has 4"
+
+
+def _grad_scale_numel(args, kw):
+    # grad_scale must hold exactly one float32 element
+    kw["grad_scale"] = torch.ones(2)
+    return ValueError, "grad_scale: expected float32 with 1 element, got float32 with 2"
+
+
+def _skip_dtype(args, kw):
+    # skip must be a one-element float32 tensor
+    kw["skip"] = torch.zeros(1, dtype=torch.float16)
+    return ValueError, "skip: expected float32 with 1 element, got float16 with 1"
+
+
+def _alias_index0(args, kw):
+    # aliasing is caught at index 0 too (the first tensor of the first level)
+    args["momentum"][0][0] = args["params"][0]
+    return ValueError, "momentum\\[0\\]\\[0\\]: shares memory with params\\[0\\]"
+
+
+def _grads_alias_params(args, kw):
+    # a gradient that is its own parameter would be overwritten mid-step
+    args["grads"][2] = args["params"][2]
+    return ValueError, "grads\\[2\\]: shares memory with params\\[2\\]"
+
+
 CASES = [_state_numel, _state_dtype, _state_count, _grad_dtype, _steps_numel, _weights_count,
          _weights_numel, _hidden, _levels_mismatch, _fires_length, _too_many_levels, _group_of,
-         _divisor, _net_name, _alias, _params_overlap, _lr_dtype, _scratch]
+         _divisor, _net_name, _alias, _params_overlap, _lr_dtype, _scratch, _ema_decay, _beta2,
+         _clamp_ratio, _weight_decay, _momentum_coef, _negative_t, _base_lr_inf, _vsq_dtype,
+         _accumulated_empty, _grad_scale_numel, _skip_dtype, _alias_index0, _grads_alias_params]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.__name__[1:] for c in CASES])

@@ -49,6 +49,12 @@ def _count(args, kw, dev):
     return "weights: 5 tensors, the controller \\(layers = 2\\) has 6"
 
 
+def _w_out(args, kw, dev):
+    # W_out (weights[4]) must be [1, H]; a wrong numel is named with the 1*H it should have
+    args["weights"][4] = torch.zeros(5, device=dev)
+    return "weights\\[4\\]: numel 5 does not match the controller's 1\\*H = 32"
+
+
 def _out_bias(args, kw, dev):
     args["weights"][5] = torch.zeros(2, device=dev)
     return "weights\\[5\\]: numel 2 does not match the controller's 1 = 1"
@@ -128,8 +134,8 @@ def _previous_alias(args, kw, dev):
     return "ema: shares memory with previous"
 
 
-CASES = [_numel, _count, _out_bias, _weight_dtype, _mu_size, _ema_size, _depths_dtype, _hidden,
-         _layers, _base_lr, _mu_range, _ema_beta, _max_norm, _alias, _alias_weights,
+CASES = [_numel, _count, _w_out, _out_bias, _weight_dtype, _mu_size, _ema_size, _depths_dtype,
+         _hidden, _layers, _base_lr, _mu_range, _ema_beta, _max_norm, _alias, _alias_weights,
          _previous_size, _previous_alias]
 
 
@@ -146,6 +152,17 @@ def test_valid_call_passes(device):
     args, kw = _valid_call(device=device)
     _call(args, kw)
     assert args["skip"].item() == 0.0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_adjacent_outputs_are_not_aliases(device):
+    """mu and lr side by side in one buffer (touching, not overlapping) are accepted."""
+    args, kw = _valid_call(device=device)
+    buf = torch.zeros(4, device=device)
+    args["mu"], args["lr"] = buf[0:2], buf[2:4]
+    args["mu"].fill_(0.75)
+    _call(args, kw)
+    assert torch.allclose(args["lr"], kw["base_lr"] * args["mu"]), (args["lr"], args["mu"])
 
 
 def test_read_only_output():
