@@ -92,19 +92,9 @@ def _weights_numel(args, kw):
     return ValueError, "weights\\[2\\]: numel 10 does not match the direct network's H\\*H = 16"
 
 
-def _hidden(args, kw):
-    kw["hidden"] = 21
-    return ValueError, "hidden = 21: must be in \\[1, 20\\] for the direct network"
-
-
 def _levels_mismatch(args, kw):
     args["accumulated"].pop()
     return ValueError, "accumulated: 2 levels, momentum has 3"
-
-
-def _fires_length(args, kw):
-    kw["fires"] = [True, False]
-    return ValueError, "fires: 2 levels, momentum has 3"
 
 
 def _too_many_levels(args, kw):
@@ -116,16 +106,6 @@ def _too_many_levels(args, kw):
 def _group_of(args, kw):
     args["group_of"] = [0, 2, 0, 1]
     return ValueError, "group_of\\[1\\] = 2 is not in \\[0, 2\\)"
-
-
-def _divisor(args, kw):
-    kw["divisors"] = [1.0, 0.5, 100.0]
-    return ValueError, "divisors\\[1\\] = 0.5: must be finite and >= 1"
-
-
-def _net_name(args, kw):
-    kw["net"] = "lstm"
-    return ValueError, "net: expected 'direct' or 'legacy', got 'lstm'"
 
 
 def _alias(args, kw):
@@ -151,48 +131,6 @@ def _scratch(args, kw):
     return ValueError, f"scratch: CPU needs {need} bytes, got 8 \\(see cms_scratch_bytes\\)"
 
 
-def _ema_decay(args, kw):
-    # a decay above 1 would make the EMA diverge
-    kw["ema_decays"] = [1.5, 0.999, 0.9999]
-    return ValueError, "ema_decays\\[0\\] = 1.5: must be in \\[0, 1\\]"
-
-
-def _beta2(args, kw):
-    # beta2 outside [0, 1] is refused
-    kw["beta2"] = 1.5
-    return ValueError, "beta2 = 1.5: must be in \\[0, 1\\]"
-
-
-def _clamp_ratio(args, kw):
-    # the momentum-norm clamp ratio must be strictly positive
-    kw["clamp_ratio"] = 0.0
-    return ValueError, "clamp_ratio = 0: must be finite and > 0"
-
-
-def _weight_decay(args, kw):
-    # a negative weight decay is refused
-    kw["weight_decay"] = -0.1
-    return ValueError, "weight_decay = -0.1: must be finite and >= 0"
-
-
-def _momentum_coef(args, kw):
-    # momentum_coef outside [0, 1] is refused
-    kw["momentum_coef"] = 1.5
-    return ValueError, "momentum_coef = 1.5: must be in \\[0, 1\\]"
-
-
-def _negative_t(args, kw):
-    # the global step t may not be negative
-    kw["t"] = -1
-    return ValueError, "t = -1: must be finite and >= 0"
-
-
-def _base_lr_inf(args, kw):
-    # a non-finite base learning rate is refused
-    kw["base_lr"] = float("inf")
-    return ValueError, "base_lr = inf: must be finite"
-
-
 def _vsq_dtype(args, kw):
     # v_sq state (level 1, tensor 2) must be float32, like the other CMS state lists
     args["v_sq"][1][2] = torch.zeros(3, dtype=torch.bfloat16)
@@ -203,18 +141,6 @@ def _accumulated_empty(args, kw):
     # an empty level list is a count mismatch, not a skipped level
     args["accumulated"][0] = []
     return ValueError, "accumulated\\[0\\]: 0 tensors, params has 4"
-
-
-def _grad_scale_numel(args, kw):
-    # grad_scale must hold exactly one float32 element
-    kw["grad_scale"] = torch.ones(2)
-    return ValueError, "grad_scale: expected float32 with 1 element, got float32 with 2"
-
-
-def _skip_dtype(args, kw):
-    # skip must be a one-element float32 tensor
-    kw["skip"] = torch.zeros(1, dtype=torch.float16)
-    return ValueError, "skip: expected float32 with 1 element, got float16 with 1"
 
 
 def _alias_index0(args, kw):
@@ -229,11 +155,51 @@ def _grads_alias_params(args, kw):
     return ValueError, "grads\\[2\\]: shares memory with params\\[2\\]"
 
 
+def _bad_keyword(name, key, value, message):
+    """A case giving one keyword argument a value the op refuses with ValueError (message)."""
+    def case(args, kw):
+        kw[key] = value
+        return ValueError, message
+    case.__name__ = "_" + name
+    return case
+
+
+# One keyword argument out of its range or of the wrong kind (host hyperparameters, the level
+# lists' lengths and values, the network, the optional one-element tensors).
+KEYWORD_CASES = [
+    _bad_keyword("hidden", "hidden", 21,
+                 "hidden = 21: must be in \\[1, 20\\] for the direct network"),
+    _bad_keyword("fires_length", "fires", [True, False],
+                 "fires: 2 levels, momentum has 3"),
+    _bad_keyword("divisor", "divisors", [1.0, 0.5, 100.0],
+                 "divisors\\[1\\] = 0.5: must be finite and >= 1"),
+    _bad_keyword("net_name", "net", "lstm",
+                 "net: expected 'direct' or 'legacy', got 'lstm'"),
+    _bad_keyword("ema_decay", "ema_decays", [1.5, 0.999, 0.9999],
+                 "ema_decays\\[0\\] = 1.5: must be in \\[0, 1\\]"),
+    _bad_keyword("beta2", "beta2", 1.5,
+                 "beta2 = 1.5: must be in \\[0, 1\\]"),
+    _bad_keyword("clamp_ratio", "clamp_ratio", 0.0,
+                 "clamp_ratio = 0: must be finite and > 0"),
+    _bad_keyword("weight_decay", "weight_decay", -0.1,
+                 "weight_decay = -0.1: must be finite and >= 0"),
+    _bad_keyword("momentum_coef", "momentum_coef", 1.5,
+                 "momentum_coef = 1.5: must be in \\[0, 1\\]"),
+    _bad_keyword("negative_t", "t", -1,
+                 "t = -1: must be finite and >= 0"),
+    _bad_keyword("base_lr_inf", "base_lr", float("inf"),
+                 "base_lr = inf: must be finite"),
+    _bad_keyword("grad_scale_numel", "grad_scale", torch.ones(2),
+                 "grad_scale: expected float32 with 1 element, got float32 with 2"),
+    _bad_keyword("skip_dtype", "skip", torch.zeros(1, dtype=torch.float16),
+                 "skip: expected float32 with 1 element, got float16 with 1"),
+]
+
+
 CASES = [_state_numel, _state_dtype, _state_count, _grad_dtype, _steps_numel, _weights_count,
-         _weights_numel, _hidden, _levels_mismatch, _fires_length, _too_many_levels, _group_of,
-         _divisor, _net_name, _alias, _params_overlap, _lr_dtype, _scratch, _ema_decay, _beta2,
-         _clamp_ratio, _weight_decay, _momentum_coef, _negative_t, _base_lr_inf, _vsq_dtype,
-         _accumulated_empty, _grad_scale_numel, _skip_dtype, _alias_index0, _grads_alias_params]
+         _weights_numel, _levels_mismatch, _too_many_levels, _group_of, _alias, _params_overlap,
+         _lr_dtype, _scratch, _vsq_dtype, _accumulated_empty, _alias_index0,
+         _grads_alias_params] + KEYWORD_CASES
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.__name__[1:] for c in CASES])
