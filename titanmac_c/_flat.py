@@ -43,6 +43,7 @@ class Batch:
         self.params, self.grads, self.exp_avgs, self.exp_avg_sqs = [], [], [], []
         self.max_exp_avg_sqs, self.steps, self.group_of = [], [], []
         self.names = []  # "param_groups[g]['params'][j]" of each flat entry
+        self.wrappers = []  # the DTensor parameters whose local shards are in params
         # entries a Plan could not re-read (permuted views, gradients copied into their
         # parameter's layout): no Plan
         self.no_plan = False

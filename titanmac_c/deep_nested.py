@@ -62,6 +62,7 @@ from ._reference_dno import (
     group_moe_params,
     infer_param_depth,
 )
+from ._distributed import is_dtensor
 from ._dno_graph import GraphState
 from ._cms import CMSModeMixin, CMSState, init_output_on_sign, level_frequencies
 from ._dno_control import ControlStepMixin, watch_model_edits
@@ -138,6 +139,11 @@ def _check_grouped(groups, group_names, device):
     (the reference accepts these and trains them with torch ops)."""
     for group, names in zip(groups, group_names):
         for p, name in zip(group["params"], names):
+            if is_dtensor(p):
+                raise TypeError(f"parameter {name!r}: a DTensor (FSDP2 / tensor parallel); the "
+                                "DeepNestedOptimizer's statistics, controller and CMS state are "
+                                "per model, so it takes plain parameters (DDP works); "
+                                "titanmac_c.AdamW steps sharded models")
             if p.dtype not in SUPPORTED_DTYPES:
                 raise BufferError(f"parameter {name!r}: dtype {p.dtype} is not supported (float32, "
                                   "bfloat16, float16; e.g. model.float())")

@@ -9,6 +9,8 @@ Differences from torch (also listed in the README):
 - get_total_norm and clip_grad_norm_ never wait on the GPU unless error_if_nonfinite=True.
 - non-contiguous tensors are taken when dense in another order (transposed, channels_last:
   _runtime.dense_views); others (e.g. strided slices) raise BufferError, where torch copes.
+- DTensors (FSDP2, tensor parallel): the local shards' norms are reduced over the device mesh
+  (_distributed.ShardedNorms); the norm is returned as a replicated DTensor, as torch's.
 """
 
 from collections import namedtuple
@@ -17,6 +19,7 @@ import torch
 
 from . import _C
 from . import _profiling as prof
+from ._distributed import ShardedNorms, any_dtensor
 from ._runtime import (
     call_dense,
     exec_kwargs,
@@ -90,6 +93,27 @@ def _total_on_device(label, positions, tensors, norm_type, device, max_norm=None
     return out
 
 
+def _sharded(label, tensors):
+    """ShardedNorms of the tensors (None entries skipped) when any is a DTensor, else None."""
+    if not any_dtensor(tensors):
+        return None
+    positions = [i for i, t in enumerate(tensors) if t is not None]
+    return ShardedNorms(label, positions, [tensors[i] for i in positions])
+
+
+def _local_norm(label, norm_type):
+    """For ShardedNorms.total: the 0-d float32 norm of local shards (one C call)."""
+    return lambda positions, tensors: _total_on_device(
+        label, positions, tensors, norm_type, tensors[0].device)[1]
+
+
+def _scale_grads(device, positions, grads, coef, *written):
+    """grads *= coef (a float32 [1] tensor on device), in one C call."""
+    kwargs = exec_kwargs(device)
+    _call_named("parameters", positions, lambda ts: _C.scale_(ts, coef, **kwargs), grads)
+    mark_written(grads, *written)
+
+
 def _result_dtype(tensors):
     dtype = tensors[0].dtype
     for t in tensors[1:]:
@@ -115,16 +139,20 @@ def get_total_norm(tensors, norm_type=2.0, error_if_nonfinite=False, foreach=Non
     norm_type = _check_norm_type(norm_type)
     if len(tensors) == 0:
         return torch.tensor(0.0)
-    by_device = _by_device(tensors)
-    totals = [_total_on_device("tensors", *placed, norm_type, dev)[1]
-              for dev, placed in by_device.items()]
-    total = _combine_totals(totals, list(by_device), norm_type)
+    sharded = _sharded("tensors", tensors)
+    if sharded is not None:
+        total = sharded.total(_local_norm("tensors", norm_type), norm_type)
+    else:
+        by_device = _by_device(tensors)
+        totals = [_total_on_device("tensors", *placed, norm_type, dev)[1]
+                  for dev, placed in by_device.items()]
+        total = _combine_totals(totals, list(by_device), norm_type)
     dtype = _result_dtype(tensors)
     if dtype != torch.float32:
         total = total.to(dtype)
     if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
         raise RuntimeError(_NONFINITE_MESSAGE.format(norm_type))
-    return total
+    return total if sharded is None else sharded.replicated(total)
 
 
 def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
@@ -142,6 +170,10 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
     norm_type = _check_norm_type(norm_type)
     if len(grads) == 0:
         return torch.tensor(0.0)
+    sharded = _sharded("parameters", all_grads)
+    if sharded is not None:
+        return _clip_sharded(sharded, max_norm, norm_type, error_if_nonfinite,
+                             _result_dtype(grads))
     by_device = _by_device(all_grads)
     devices = list(by_device)
     single = len(devices) == 1
@@ -154,16 +186,29 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
         raise RuntimeError(_NONFINITE_MESSAGE.format(norm_type))
     with prof.step_range(prof.CLIP):
         for (device, (positions, device_grads)), buf in zip(by_device.items(), buffers):
-            kwargs = exec_kwargs(device)
             coef = buf[2:3]
             if not single:  # the coefficient of the norm over all devices
                 _C.clip_coef(total.reshape(1).to(device), max_norm, coef,
-                             stream=kwargs.get("stream"))
-            _call_named("parameters", positions, lambda ts: _C.scale_(ts, coef, **kwargs),
-                        device_grads)
-            mark_written(device_grads)
+                             stream=exec_kwargs(device).get("stream"))
+            _scale_grads(device, positions, device_grads, coef)
     dtype = _result_dtype(grads)
     return total if dtype == torch.float32 else total.to(dtype)
+
+
+def _clip_sharded(sharded, max_norm, norm_type, error_if_nonfinite, dtype):
+    """clip_grad_norm_ of DTensor gradients: the norm over all ranks, then every rank scales
+    its local shards by the same coefficient."""
+    with prof.step_range(prof.STATS):
+        total = sharded.total(_local_norm("parameters", norm_type), norm_type)
+    if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
+        raise RuntimeError(_NONFINITE_MESSAGE.format(norm_type))
+    device = total.device
+    coef = torch.empty(1, dtype=torch.float32, device=device)
+    _C.clip_coef(total.reshape(1), max_norm, coef, stream=exec_kwargs(device).get("stream"))
+    with prof.step_range(prof.CLIP):
+        for positions, local_grads, wrappers in sharded.parts.values():
+            _scale_grads(device, positions, local_grads, coef, wrappers)
+    return sharded.replicated(total if dtype == torch.float32 else total.to(dtype))
 
 
 def group_norms(grads, params=None, group_of=None, num_groups=1, norm_type=2.0):

@@ -15,6 +15,7 @@ from torch.optim import Optimizer
 
 from . import _C
 from . import _profiling as prof
+from ._distributed import dtensor_type, is_dtensor, localize, refuse_plain_with_dtensor
 from ._flat import Batch, Plan, in_layout_of
 from ._runtime import (
     Scratch,
@@ -214,7 +215,7 @@ class AdamW(Optimizer):
         modified. zero_grad() forgets a pending coefficient; load_state_dict() keeps it.
         """
         from .functional import (_NONFINITE_MESSAGE, _check_max_norm, _check_norm_type,
-                                 _result_dtype)
+                                 _local_norm, _result_dtype, _sharded)
 
         max_norm = _check_max_norm(max_norm)
         norm_type = _check_norm_type(norm_type)
@@ -231,10 +232,17 @@ class AdamW(Optimizer):
             if len({g.device for g in grads}) > 1:
                 raise ValueError("clip_grad_norm_: parameters on several devices; use "
                                  "titanmac_c.clip_grad_norm_ instead")
+        sharded = _sharded("grads", grads) if total_norm is None else None
+        if is_dtensor(total_norm):
+            total_norm = total_norm.full_tensor()  # a norm is replicated: no communication
         device = grads[0].device
         buf = torch.empty(2, dtype=torch.float32, device=device)
         kwargs = exec_kwargs(device)
-        if total_norm is None:
+        if sharded is not None:  # DTensors: the norm over all ranks, then the coefficient
+            with prof.step_range(prof.STATS):
+                total = sharded.total(_local_norm("grads", norm_type), norm_type).reshape(1)
+            _C.clip_coef(total, max_norm, buf[1:2], stream=kwargs.get("stream"))
+        elif total_norm is None:
             # One pass; its finishing step also writes the coefficient (one launch on CUDA).
             group = torch.empty(1, dtype=torch.float32, device=device)
             def run(ts):
@@ -256,7 +264,8 @@ class AdamW(Optimizer):
             dtype = total_norm.dtype
         elif dtype is None:
             dtype = _result_dtype(grads)
-        return total[0] if dtype == torch.float32 else total[0].to(dtype)
+        result = total[0] if dtype == torch.float32 else total[0].to(dtype)
+        return result if sharded is None else sharded.replicated(result)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -335,6 +344,7 @@ class AdamW(Optimizer):
         new_state = {}
         groups = [self._group_hparams(gi, g) for gi, g in enumerate(self.param_groups)]
         lrs = [g["lr"] for g in self.param_groups]
+        dtensor = dtensor_type()
         for gi, group in enumerate(self.param_groups):
             for pi, p in enumerate(group["params"]):
                 grad = p.grad
@@ -354,21 +364,30 @@ class AdamW(Optimizer):
                 batch = batches.get(key)
                 if batch is None:
                     batch = batches[key] = Batch(*key)
-                # gradient and state in the parameter's layout: the state for good (the same
-                # values), the gradient as a copy for this step (the Plan re-reads .grad: none)
-                for k in _STATE_KEYS:
-                    if k in state:
-                        state[k] = in_layout_of(state[k], p)
-                laid_out = in_layout_of(grad, p)
-                batch.no_plan |= laid_out is not grad
-                grad = laid_out
+                if dtensor is not None and isinstance(p, dtensor):
+                    # FSDP2 / tensor parallel: the element-wise step of the local shards (the
+                    # state stays a DTensor, as torch's, for distributed checkpoints)
+                    batch.wrappers.append(p)
+                    batch.no_plan = True
+                    p, grad, tensors = localize(name, p, grad, state, _STATE_KEYS)
+                else:
+                    if dtensor is not None:
+                        refuse_plain_with_dtensor(name, p, grad, state, _STATE_KEYS)
+                    # gradient and state in the parameter's layout: the state for good (the same
+                    # values), the gradient as a copy for this step (the Plan re-reads .grad)
+                    for k in _STATE_KEYS:
+                        if k in state:
+                            state[k] = in_layout_of(state[k], p)
+                    laid_out = in_layout_of(grad, p)
+                    batch.no_plan |= laid_out is not grad
+                    grad, tensors = laid_out, state
                 batch.group_of.append(gi)
                 batch.params.append(p)
                 batch.grads.append(grad)
-                batch.exp_avgs.append(state["exp_avg"])
-                batch.exp_avg_sqs.append(state["exp_avg_sq"])
+                batch.exp_avgs.append(tensors["exp_avg"])
+                batch.exp_avg_sqs.append(tensors["exp_avg_sq"])
                 if batch.amsgrad:
-                    batch.max_exp_avg_sqs.append(state["max_exp_avg_sq"])
+                    batch.max_exp_avg_sqs.append(tensors["max_exp_avg_sq"])
                 batch.steps.append(state["step"])
                 batch.names.append(name)
         for batch in batches.values():
@@ -451,4 +470,4 @@ class AdamW(Optimizer):
             reraise_with_names(exc, batch.names, group_names)
         # the tensors autograd may hold: parameters, and gradients when a skip may zero them
         # (the state's versions are left alone: no graph saves optimizer state)
-        mark_written(batch.params, batch.grads if zero_grads_on_skip else ())
+        mark_written(batch.params, batch.wrappers, batch.grads if zero_grads_on_skip else ())

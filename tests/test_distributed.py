@@ -1,0 +1,416 @@
+"""torch.distributed: FSDP2 (fully_shard) and tensor-parallel DTensors, against torch's own AdamW
+and norms on the same sharded models, on two CPU ranks (gloo).
+
+The ranks run once per module (spawning costs seconds): every scenario of SCENARIOS runs in
+both, and the tests compare what they recorded. A scenario that raised records its traceback,
+so that only its tests fail.
+"""
+
+import os
+import tempfile
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import titanmac_c
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="torch.distributed with gloo is not available")
+
+WORLD = 2
+STEPS = 6
+# ours against torch on the same shards: the AdamW element math is torch's (TOL in conftest);
+# the clip coefficient comes from norms reduced in another order (float64 here, float32 there)
+CLOSE = dict(rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------ scenarios (run in the ranks)
+
+
+def _model(seed):
+    torch.manual_seed(seed)
+    # 5 output rows: uneven shards over two ranks (3 and 2 rows)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.ReLU(),
+                               torch.nn.Linear(16, 5))
+
+
+def _sharded_model(seed):
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model(seed)
+    for layer in (model[0], model[3]):
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def _full(t):
+    """A DTensor's global value (a plain tensor passes through), detached on the CPU."""
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu().clone()
+
+
+def _train_fsdp2(rank, make_opt, clip, amsgrad):
+    """STEPS steps of an FSDP2 model: each rank's own batch, clip to 0.5, then AdamW. Returns the
+    norms per step and the full parameters and state at the end."""
+    model = _sharded_model(0)
+    opt = make_opt(model.parameters(), amsgrad)
+    norms = []
+    for step in range(STEPS):
+        torch.manual_seed(100 * step + rank)
+        x, y = torch.randn(4, 8), torch.randn(4, 5)
+        loss = torch.nn.functional.mse_loss(model(x), y) * 10.0
+        loss.backward()
+        norm = clip(model, opt)
+        norms.append((type(norm).__name__, tuple(map(repr, getattr(norm, "placements", ()))),
+                      float(_full(norm))))
+        opt.step()
+        opt.zero_grad()
+    params = [_full(p) for p in model.parameters()]
+    state = [{k: _full(v) for k, v in opt.state[p].items()} for p in model.parameters()]
+    return dict(norms=norms, params=params, state=state)
+
+
+def scenario_fsdp2(rank):
+    """FSDP2: titanmac_c.AdamW with titanmac_c.clip_grad_norm_ (amsgrad off) and with the
+    folded AdamW.clip_grad_norm_ (amsgrad on), torch.optim.AdamW with torch's clip beside."""
+    def torch_opt(params, amsgrad):
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, amsgrad=amsgrad)
+
+    def ours(params, amsgrad):
+        return titanmac_c.AdamW(params, lr=1e-2, weight_decay=0.1, amsgrad=amsgrad)
+
+    out = {}
+    for amsgrad in (False, True):
+        out[f"torch_{amsgrad}"] = _train_fsdp2(
+            rank, torch_opt, lambda m, o: torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5),
+            amsgrad)
+    out["ours_False"] = _train_fsdp2(
+        rank, ours, lambda m, o: titanmac_c.clip_grad_norm_(m.parameters(), 0.5), False)
+    out["ours_True"] = _train_fsdp2(rank, ours, lambda m, o: o.clip_grad_norm_(0.5), True)
+    return out
+
+
+def _tp_tensors(mesh, placements, seed):
+    """One DTensor per placement list, the same global values on every rank."""
+    from torch.distributed.tensor import distribute_tensor
+
+    torch.manual_seed(seed)
+    shapes = [(6, 4), (3, 5), (7,), (4, 4)]
+    return [distribute_tensor(torch.randn(s), mesh, pl) for s, pl in zip(shapes, placements)]
+
+
+def _tp_cases():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+
+    mesh1 = init_device_mesh("cpu", (WORLD,))
+    mesh2 = init_device_mesh("cpu", (1, WORLD), mesh_dim_names=("dp", "tp"))
+    return {
+        "1d": (mesh1, [[Shard(0)], [Shard(1)], [Replicate()], [Shard(0)]]),
+        "2d": (mesh2, [[Replicate(), Shard(0)], [Shard(0), Shard(1)], [Replicate(), Replicate()],
+                       [Shard(1), Replicate()]]),
+    }
+
+
+def scenario_tensor_parallel(rank):
+    """Norms and clipping of DTensor gradients sharded or replicated along different dimensions
+    of 1-D and 2-D meshes, and AdamW steps of such parameters, against torch's."""
+    out = {}
+    for name, (mesh, placements) in _tp_cases().items():
+        grads = _tp_tensors(mesh, placements, 1)
+        full = [_full(g) for g in grads]
+        for p in (1.0, 2.0, 3.0, float("inf")):
+            ours = titanmac_c.get_total_norm(grads, p)
+            theirs = torch.nn.utils.get_total_norm(grads, p)
+            out[f"{name}_norm_{p}"] = (float(_full(ours)), float(_full(theirs)),
+                                       float(torch.linalg.vector_norm(
+                                           torch.cat([f.reshape(-1).double() for f in full]), p)),
+                                       type(ours).__name__, tuple(map(repr, ours.placements)))
+        for impl in ("ours", "torch"):
+            params = [torch.nn.Parameter(t) for t in _tp_tensors(mesh, placements, 2)]
+            opt = (titanmac_c.AdamW if impl == "ours" else torch.optim.AdamW)(
+                params, lr=1e-2, weight_decay=0.1)
+            norms = []
+            for step in range(STEPS):
+                for p, g in zip(params, _tp_tensors(mesh, placements, 10 + step)):
+                    p.grad = g * (step + 1)
+                clip = titanmac_c.clip_grad_norm_ if impl == "ours" else \
+                    torch.nn.utils.clip_grad_norm_
+                norms.append(float(_full(clip(params, 1.0))))
+                opt.step()
+            out[f"{name}_adamw_{impl}"] = dict(norms=norms, params=[_full(p) for p in params],
+                                               state=[_full(opt.state[p]["exp_avg_sq"])
+                                                      for p in params])
+    return out
+
+
+def _raises(fn):
+    try:
+        fn()
+    except Exception as exc:  # recorded for the test to check its type and message
+        return type(exc).__name__, str(exc)
+    return None
+
+
+def scenario_refused(rank):
+    """Inputs a sharded step cannot take: refused by name, nothing written."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    out = {}
+    model = _sharded_model(3)
+    model(torch.randn(2, 8)).sum().backward()
+    params = list(model.parameters())
+    plain = torch.nn.Parameter(torch.randn(3))
+    plain.grad = torch.randn(3)
+    before = [_full(p.grad) for p in params] + [plain.grad.clone()]
+    out["mixed"] = _raises(lambda: titanmac_c.clip_grad_norm_([params[0], plain], 1.0))
+    out["mixed_unchanged"] = all(torch.equal(a, _full(b.grad)) for a, b in
+                                 zip(before, params + [plain]))
+
+    # a gradient not yet reduced over the ranks (each holds a summand)
+    partial = DTensor.from_local(torch.ones(4), mesh, [Partial()], run_check=False)
+    out["partial"] = _raises(lambda: titanmac_c.get_total_norm([params[1].grad, partial]))
+
+    # a full (unsharded) state loaded into a sharded model's optimizer, as torch.load of a
+    # single-process checkpoint would give it
+    opt = titanmac_c.AdamW(params, lr=0.1)
+    opt.step()
+    p0 = params[0]
+    saved = {k: v for k, v in opt.state[p0].items()}
+    opt.state[p0]["exp_avg"] = _full(saved["exp_avg"])
+    snapshot = [_full(p) for p in params]
+    out["plain_state"] = _raises(opt.step)
+    out["plain_state_unchanged"] = all(torch.equal(a, _full(p)) for a, p in zip(snapshot, params))
+
+    out["dno"] = _raises(lambda: titanmac_c.DeepNestedOptimizer(model))
+    return out
+
+
+def scenario_checkpoint(rank):
+    """torch.distributed.checkpoint's optimizer state dict of an FSDP2 model (sharded), loaded
+    into a fresh model and optimizer: the continued run equals the uninterrupted one."""
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
+                                                         get_optimizer_state_dict,
+                                                         set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    def run(model, opt, steps, first):
+        for step in range(first, first + steps):
+            torch.manual_seed(100 * step + rank)
+            torch.nn.functional.mse_loss(model(torch.randn(4, 8)), torch.randn(4, 5)).backward()
+            titanmac_c.clip_grad_norm_(model.parameters(), 0.5)
+            opt.step()
+            opt.zero_grad()
+
+    model = _sharded_model(0)
+    opt = titanmac_c.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    run(model, opt, 3, 0)
+    model_sd = {k: v.detach().clone() for k, v in get_model_state_dict(model).items()}
+    opt_sd = get_optimizer_state_dict(model, opt)
+    opt_sd = {"state": {k: {n: t.detach().clone() for n, t in v.items()}
+                        for k, v in opt_sd["state"].items()},
+              "param_groups": opt_sd["param_groups"]}
+    run(model, opt, 3, 3)
+
+    resumed = _sharded_model(7)
+    resumed_opt = titanmac_c.AdamW(resumed.parameters(), lr=1e-2, weight_decay=0.1)
+    set_model_state_dict(resumed, model_sd)
+    set_optimizer_state_dict(resumed, resumed_opt, opt_sd)
+    state_types = sorted({type(v).__name__ for s in resumed_opt.state.values()
+                          for k, v in s.items() if k != "step"})
+    run(resumed, resumed_opt, 3, 3)
+    return dict(state_types=state_types,
+                uninterrupted=[_full(p) for p in model.parameters()],
+                resumed=[_full(p) for p in resumed.parameters()])
+
+
+def scenario_ddp_deep_nested(rank):
+    """DistributedDataParallel with the DeepNestedOptimizer (AdamW and CMS mode, 12 steps: meta
+    updates and Phase 1 steps), the loss averaged over the ranks before step() (each rank's own
+    loss would train each rank's controller apart, in the reference too) and the optimizer built
+    under the same seed on every rank: ours against the reference on the same DDP-averaged
+    gradients, and the ranks alike."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from dno_models import loss_fn, make_mlp_10_32_5, synthetic_batches
+    from titanmac_c._reference_dno import ReferenceDeepNestedOptimizer
+
+    out = {}
+    for cms in (False, True):
+        kw = dict(use_cms_updates=cms, meta_update_freq=5, weight_decay=0.01)
+        models = [DistributedDataParallel(make_mlp_10_32_5(seed=0)) for _ in range(2)]
+        # the controller and the momentum network start from torch's RNG: alike on every rank
+        torch.manual_seed(1234)
+        ref = ReferenceDeepNestedOptimizer(models[0], **kw)
+        ours = titanmac_c.DeepNestedOptimizer(models[1], **kw)
+        ours.controller.load_state_dict(ref.controller.state_dict())
+        ours.momentum_mlp.load_state_dict(ref.momentum_mlp.state_dict())
+        batches = synthetic_batches("mlp", 12 * WORLD, seed=5)
+        for step in range(12):
+            for model, opt in zip(models, (ref, ours)):
+                opt.zero_grad()
+                loss = loss_fn(model, batches[WORLD * step + rank])
+                loss.backward()
+                mean = loss.detach().clone()
+                dist.all_reduce(mean)
+                opt.step(mean / WORLD)
+        out[f"cms_{cms}"] = dict(
+            ref=[_full(p) for p in models[0].module.parameters()],
+            ours=[_full(p) for p in models[1].module.parameters()],
+            mu=(_full(ours.get_lr_multipliers()), _full(ref.get_lr_multipliers())))
+    return out
+
+
+def scenario_zero(rank):
+    """ZeroRedundancyOptimizer (each rank steps its share of the parameters, then broadcasts)
+    with titanmac_c.AdamW and with torch.optim.AdamW as the per-rank optimizer."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+
+    out = {}
+    for name, cls in (("ours", titanmac_c.AdamW), ("torch", torch.optim.AdamW)):
+        model = DistributedDataParallel(_model(0))
+        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=cls, lr=1e-2,
+                                      weight_decay=0.1)
+        for step in range(STEPS):
+            torch.manual_seed(100 * step + rank)
+            torch.nn.functional.mse_loss(model(torch.randn(4, 8)), torch.randn(4, 5)).backward()
+            opt.step()
+            opt.zero_grad()
+        out[name] = [_full(p) for p in model.module.parameters()]
+    return out
+
+
+SCENARIOS = [scenario_fsdp2, scenario_tensor_parallel, scenario_refused, scenario_checkpoint,
+             scenario_ddp_deep_nested, scenario_zero]
+
+
+def _rank_main(rank, init_file, out_dir):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=WORLD)
+    torch.set_num_threads(1)
+    results = {}
+    try:
+        for scenario in SCENARIOS:
+            try:
+                results[scenario.__name__] = scenario(rank)
+            except Exception:
+                results[scenario.__name__] = {"error": traceback.format_exc()}
+            dist.barrier()
+    finally:
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    """Every scenario's results, per rank."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_rank_main, args=(os.path.join(tmp, "init"), tmp), nprocs=WORLD)
+        return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False)
+                for r in range(WORLD)]
+
+
+def _result(ranks, scenario, rank=0):
+    result = ranks[rank][scenario]
+    if "error" in result:
+        pytest.fail(f"{scenario} raised on rank {rank}:\n{result['error']}")
+    return result
+
+
+# ------------------------------------------------------------------ tests
+
+
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_fsdp2_adamw_and_clip_match_torch(ranks, amsgrad):
+    for rank in range(WORLD):
+        res = _result(ranks, "scenario_fsdp2", rank)
+        ours, theirs = res[f"ours_{amsgrad}"], res[f"torch_{amsgrad}"]
+        for (kind, placements, norm), (t_kind, t_placements, t_norm) in zip(ours["norms"],
+                                                                            theirs["norms"]):
+            assert (kind, placements) == (t_kind, t_placements) == ("DTensor", ("Replicate()",))
+            assert norm == pytest.approx(t_norm, rel=1e-6)
+        assert [n for *_, n in ours["norms"]][0] > 0.5  # the clip acted
+        for p, t in zip(ours["params"], theirs["params"]):
+            torch.testing.assert_close(p, t, **CLOSE)
+        for s, t in zip(ours["state"], theirs["state"]):
+            assert set(s) == set(t)
+            for key in s:
+                torch.testing.assert_close(s[key].float(), t[key].float(), **CLOSE)
+    # the ranks agree on the norm (a collective result) and on the parameters they gathered
+    first, second = (_result(ranks, "scenario_fsdp2", r)[f"ours_{amsgrad}"] for r in range(2))
+    assert first["norms"] == second["norms"]
+    for a, b in zip(first["params"], second["params"]):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("mesh", ["1d", "2d"])
+@pytest.mark.parametrize("norm_type", [1.0, 2.0, 3.0, float("inf")])
+def test_norms_of_dtensors_sharded_and_replicated(ranks, mesh, norm_type):
+    for rank in range(WORLD):
+        ours, theirs, exact, kind, placements = _result(
+            ranks, "scenario_tensor_parallel", rank)[f"{mesh}_norm_{norm_type}"]
+        assert ours == pytest.approx(exact, rel=1e-6)
+        assert ours == pytest.approx(theirs, rel=1e-5)
+        assert kind == "DTensor" and set(placements) == {"Replicate()"}
+
+
+@pytest.mark.parametrize("mesh", ["1d", "2d"])
+def test_tensor_parallel_adamw_and_clip_match_torch(ranks, mesh):
+    for rank in range(WORLD):
+        res = _result(ranks, "scenario_tensor_parallel", rank)
+        ours, theirs = res[f"{mesh}_adamw_ours"], res[f"{mesh}_adamw_torch"]
+        assert ours["norms"] == pytest.approx(theirs["norms"], rel=1e-5)
+        for key in ("params", "state"):
+            for a, b in zip(ours[key], theirs[key]):
+                torch.testing.assert_close(a, b, **CLOSE)
+
+
+def test_sharded_inputs_that_cannot_be_stepped_are_refused_by_name(ranks):
+    res = _result(ranks, "scenario_refused")
+    kind, message = res["mixed"]
+    assert kind == "ValueError"
+    assert "parameters[1]: a plain tensor among DTensors (parameters[0] is one)" in message
+    assert res["mixed_unchanged"]
+    kind, message = res["partial"]
+    assert kind == "ValueError" and "tensors[1]: a DTensor with a Partial placement" in message
+    kind, message = res["plain_state"]
+    assert kind == "ValueError"
+    assert "param_groups[0]['params'][0]: the parameter is a DTensor (Shard(dim=0))" in message
+    assert "exp_avg is a plain tensor" in message
+    assert res["plain_state_unchanged"]
+    kind, message = res["dno"]
+    assert kind == "TypeError" and "a DTensor (FSDP2 / tensor parallel)" in message
+
+
+def test_distributed_checkpoint_resumes_the_run(ranks):
+    for rank in range(WORLD):
+        res = _result(ranks, "scenario_checkpoint", rank)
+        assert res["state_types"] == ["DTensor"]
+        for a, b in zip(res["uninterrupted"], res["resumed"]):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("cms", [False, True], ids=["adamw_mode", "cms_mode"])
+def test_ddp_deep_nested_matches_the_reference(ranks, cms):
+    for rank in range(WORLD):
+        res = _result(ranks, "scenario_ddp_deep_nested", rank)[f"cms_{cms}"]
+        for a, b in zip(res["ours"], res["ref"]):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)  # as test_deep_nested*
+        torch.testing.assert_close(*res["mu"], rtol=1e-5, atol=1e-6)
+    first, second = (_result(ranks, "scenario_ddp_deep_nested", r)[f"cms_{cms}"]
+                     for r in range(WORLD))
+    for a, b in zip(first["ours"], second["ours"]):
+        assert torch.equal(a, b)  # the ranks stay identical
+
+
+def test_zero_redundancy_optimizer_with_titanmac_adamw(ranks):
+    for rank in range(WORLD):
+        res = _result(ranks, "scenario_zero", rank)
+        for a, b in zip(res["ours"], res["torch"]):
+            torch.testing.assert_close(a, b, **CLOSE)

@@ -1,0 +1,139 @@
+"""DTensors (FSDP2's fully_shard, tensor parallelism): the C core works on each rank's local
+shards, and the norms are reduced over the device mesh with torch.distributed's collectives
+(DESIGN principle 7: no transport of our own).
+
+A DTensor is a wrapper without storage of its own; its local shard (`_local_tensor`, what
+`to_local()` returns without the autograd node) is an ordinary tensor the C core takes. AdamW is
+element-wise, so stepping the local shards of a parameter, its gradient and its state steps the
+DTensor. A norm is not: each rank's local norm is reduced over the mesh dimensions on which the
+tensor is sharded (replicated dimensions hold copies and are not summed).
+"""
+
+import math
+import sys
+
+import torch
+import torch.distributed as dist
+
+
+def dtensor_type():
+    """torch's DTensor class once torch.distributed.tensor has been imported (no DTensor exists
+    before that), else None: costs nothing to a program that does not use them."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
+
+
+def any_dtensor(tensors):
+    cls = dtensor_type()
+    return cls is not None and any(isinstance(t, cls) for t in tensors)
+
+
+def is_dtensor(t):
+    cls = dtensor_type()
+    return cls is not None and isinstance(t, cls)
+
+
+def local_of(t):
+    """The local shard of a DTensor (no autograd node; the same storage)."""
+    return t._local_tensor
+
+
+def _placements_text(t):
+    return "(" + ", ".join(repr(p) for p in t.placements) + ")"
+
+
+def reduced_dims(name, t):
+    """The mesh dimensions over which t's local norm must be summed: those it is sharded on.
+    A Partial placement (a gradient not yet reduced) has no norm per rank: refused."""
+    dims = []
+    for d, placement in enumerate(t.placements):
+        if placement.is_partial():
+            raise ValueError(f"{name}: a DTensor with a Partial placement "
+                             f"{_placements_text(t)}; redistribute it to Shard or Replicate "
+                             "before taking its norm")
+        if placement.is_shard():
+            dims.append(d)
+    return tuple(dims)
+
+
+class ShardedNorms:
+    """The tensors of a norm (all DTensors on one device mesh) split by the mesh dimensions they
+    are sharded on: parts[dims] = (positions in the caller's list, local shards, the DTensors)."""
+
+    def __init__(self, label, positions, tensors):
+        cls = dtensor_type()
+        self.mesh = None
+        self.parts = {}
+        first = None
+        for i, t in zip(positions, tensors):
+            name = f"{label}[{i}]"
+            if not isinstance(t, cls):
+                raise ValueError(
+                    f"{name}: a plain tensor among DTensors ({first} is one): the norm over "
+                    "ranks needs all of them as DTensors (as torch's does)")
+            if self.mesh is None:
+                self.mesh, first = t.device_mesh, name
+            elif t.device_mesh != self.mesh:
+                raise ValueError(f"{name}: on another device mesh than {first}: one norm "
+                                 "reduces over one mesh")
+            part = self.parts.setdefault(reduced_dims(name, t), ([], [], []))
+            part[0].append(i)
+            part[1].append(local_of(t))
+            part[2].append(t)
+
+    def total(self, local_norm, norm_type):
+        """The norm over every rank's shards, a float32 [1] tensor on this rank's device, equal on
+        all ranks. local_norm(positions, tensors) gives the float32 [1] norm of local tensors.
+        One all_reduce per mesh dimension of each part (an FSDP2 model: one), on float64 powers
+        so that summing many ranks loses nothing."""
+        inf = math.isinf(norm_type)
+        total = None
+        for dims, (positions, tensors, _) in self.parts.items():
+            value = local_norm(positions, tensors).double()
+            if not inf:
+                value = value.pow(norm_type)
+            for d in dims:
+                dist.all_reduce(value, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM,
+                                group=self.mesh.get_group(d))
+            total = value if total is None else (
+                torch.maximum(total, value) if inf else total + value)
+        if not inf:
+            total = total.pow(1.0 / norm_type)
+        return total.float()
+
+    def replicated(self, value):
+        """value (the same on every rank) as the DTensor torch's norms return: replicated over
+        the mesh, so `.full_tensor()` and `.to_local()` work as on torch's result."""
+        from torch.distributed.tensor import DTensor, Replicate
+
+        return DTensor.from_local(value, self.mesh, [Replicate()] * self.mesh.ndim,
+                                  run_check=False)
+
+
+def localize(name, p, grad, state, keys):
+    """(local p, local grad, {key: local state tensor}) of a DTensor parameter whose gradient and
+    state tensors (the keys present in state) are DTensors of the same mesh and placements, as
+    torch's AdamW on a DTensor leaves them; anything else is refused with the tensor's name,
+    before the C core writes anything."""
+    cls = dtensor_type()
+    named = [("gradient", grad)] + [(k, state[k]) for k in keys if k in state]
+    for what, t in named:
+        if not isinstance(t, cls):
+            raise ValueError(f"{name}: the parameter is a DTensor {_placements_text(p)} but its "
+                             f"{what} is a plain tensor of shape {tuple(t.shape)}; load "
+                             "sharded state with torch.distributed.checkpoint's "
+                             "set_optimizer_state_dict")
+        if t.device_mesh != p.device_mesh or tuple(t.placements) != tuple(p.placements):
+            raise ValueError(f"{name}: its {what} is a DTensor {_placements_text(t)} on "
+                             f"{t.device_mesh}, the parameter {_placements_text(p)} on "
+                             f"{p.device_mesh}: they must be sharded alike")
+    return local_of(p), local_of(grad), {k: local_of(state[k]) for k in keys if k in state}
+
+
+def refuse_plain_with_dtensor(name, p, grad, state, keys):
+    """A plain parameter whose gradient or state is a DTensor: refused by name."""
+    cls = dtensor_type()
+    for what, t in [("gradient", grad)] + [(k, state.get(k)) for k in keys]:
+        if isinstance(t, cls):
+            raise ValueError(f"{name}: its {what} is a DTensor {_placements_text(t)}, the "
+                             "parameter a plain tensor")
