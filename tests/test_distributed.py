@@ -6,6 +6,7 @@ both, and the tests compare what they recorded. A scenario that raised records i
 so that only its tests fail.
 """
 
+import datetime
 import os
 import tempfile
 import traceback
@@ -291,8 +292,10 @@ SCENARIOS = [scenario_fsdp2, scenario_tensor_parallel, scenario_refused, scenari
 
 
 def _rank_main(rank, init_file, out_dir):
+    # a scenario failing on one rank between collectives fails the other's within a minute
+    # instead of gloo's default 30
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=WORLD)
+                            world_size=WORLD, timeout=datetime.timedelta(seconds=60))
     torch.set_num_threads(1)
     results = {}
     try:
