@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import titanmac_c
+from conftest import CUDA
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo is not available")
@@ -38,10 +39,10 @@ def _model(seed):
                                torch.nn.Linear(16, 5))
 
 
-def _sharded_model(seed):
+def _sharded_model(seed, device="cpu"):
     from torch.distributed.fsdp import fully_shard
 
-    model = _model(seed)
+    model = _model(seed).to(device)
     for layer in (model[0], model[3]):
         fully_shard(layer)
     fully_shard(model)
@@ -53,21 +54,28 @@ def _full(t):
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu().clone()
 
 
-def _train_fsdp2(rank, make_opt, clip, amsgrad):
+def _train_fsdp2(rank, make_opt, clip, amsgrad, device="cpu", sync_check=False):
     """STEPS steps of an FSDP2 model: each rank's own batch, clip to 0.5, then AdamW. Returns the
-    norms per step and the full parameters and state at the end."""
-    model = _sharded_model(0)
+    norms per step and the full parameters and state at the end. sync_check: after two steps,
+    clip and step run under CUDA's sync debug mode "error" (a host sync raises)."""
+    model = _sharded_model(0, device)
     opt = make_opt(model.parameters(), amsgrad)
     norms = []
     for step in range(STEPS):
         torch.manual_seed(100 * step + rank)
-        x, y = torch.randn(4, 8), torch.randn(4, 5)
+        x, y = torch.randn(4, 8).to(device), torch.randn(4, 5).to(device)
         loss = torch.nn.functional.mse_loss(model(x), y) * 10.0
         loss.backward()
-        norm = clip(model, opt)
+        if sync_check and step >= 2:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            norm = clip(model, opt)
+            opt.step()
+        finally:
+            if sync_check:
+                torch.cuda.set_sync_debug_mode(0)
         norms.append((type(norm).__name__, tuple(map(repr, getattr(norm, "placements", ()))),
                       float(_full(norm))))
-        opt.step()
         opt.zero_grad()
     params = [_full(p) for p in model.parameters()]
     state = [{k: _full(v) for k, v in opt.state[p].items()} for p in model.parameters()]
@@ -287,19 +295,34 @@ def scenario_zero(rank):
     return out
 
 
+def scenario_cuda(rank):
+    """One NCCL rank on the GPU: the FSDP2 run of scenario_fsdp2 on CUDA, ours (clip and step
+    under the sync debug mode "error" after warm-up) against torch's."""
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    out = {"torch": _train_fsdp2(
+        rank, lambda ps, a: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1), lambda m, o:
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5), False, device)}
+    out["ours"] = _train_fsdp2(
+        rank, lambda ps, a: titanmac_c.AdamW(ps, lr=1e-2, weight_decay=0.1),
+        lambda m, o: titanmac_c.clip_grad_norm_(m.parameters(), 0.5), False, device,
+        sync_check=True)
+    return out
+
+
 SCENARIOS = [scenario_fsdp2, scenario_tensor_parallel, scenario_refused, scenario_checkpoint,
              scenario_ddp_deep_nested, scenario_zero]
 
 
-def _rank_main(rank, init_file, out_dir):
+def _rank_main(rank, world, backend, scenarios, init_file, out_dir):
     # a scenario failing on one rank between collectives fails the other's within a minute
     # instead of gloo's default 30
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=WORLD, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=60))
     torch.set_num_threads(1)
     results = {}
     try:
-        for scenario in SCENARIOS:
+        for scenario in scenarios:
             try:
                 results[scenario.__name__] = scenario(rank)
             except Exception:
@@ -310,13 +333,25 @@ def _rank_main(rank, init_file, out_dir):
         dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def ranks():
+def _spawn(world, backend, scenarios):
     """Every scenario's results, per rank."""
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_rank_main, args=(os.path.join(tmp, "init"), tmp), nprocs=WORLD)
+        mp.spawn(_rank_main, args=(world, backend, scenarios, os.path.join(tmp, "init"), tmp),
+                 nprocs=world)
         return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False)
-                for r in range(WORLD)]
+                for r in range(world)]
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return _spawn(WORLD, "gloo", SCENARIOS)
+
+
+@pytest.fixture(scope="module")
+def cuda_rank():
+    if not CUDA or not dist.is_nccl_available():
+        pytest.skip("no CUDA device or backend, or no NCCL")
+    return _spawn(1, "nccl", [scenario_cuda])
 
 
 def _result(ranks, scenario, rank=0):
@@ -417,3 +452,17 @@ def test_zero_redundancy_optimizer_with_titanmac_adamw(ranks):
         res = _result(ranks, "scenario_zero", rank)
         for a, b in zip(res["ours"], res["torch"]):
             torch.testing.assert_close(a, b, **CLOSE)
+
+
+def test_fsdp2_on_cuda_matches_torch_without_host_syncs(cuda_rank):
+    res = _result(cuda_rank, "scenario_cuda")
+    ours, theirs = res["ours"], res["torch"]
+    assert [n for *_, n in ours["norms"]] == pytest.approx([n for *_, n in theirs["norms"]],
+                                                           rel=1e-5)
+    for key in ("params", "state"):
+        for a, b in zip(ours[key], theirs[key]):
+            if key == "state":
+                for k in a:
+                    torch.testing.assert_close(a[k].float(), b[k].float(), rtol=1e-4, atol=1e-5)
+            else:
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)  # TOL_CUDA: FMAs
