@@ -167,7 +167,7 @@ def _raises(fn):
 def scenario_refused(rank):
     """Inputs a sharded step cannot take: refused by name, nothing written."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Partial
+    from torch.distributed.tensor import DTensor, Partial, Shard
 
     mesh = init_device_mesh("cpu", (WORLD,))
     out = {}
@@ -178,8 +178,11 @@ def scenario_refused(rank):
     plain.grad = torch.randn(3)
     before = [_full(p.grad) for p in params] + [plain.grad.clone()]
     out["mixed"] = _raises(lambda: titanmac_c.clip_grad_norm_([params[0], plain], 1.0))
+    out["mixed_first"] = _raises(lambda: titanmac_c.get_total_norm([plain.grad, params[0].grad]))
     out["mixed_unchanged"] = all(torch.equal(a, _full(b.grad)) for a, b in
                                  zip(before, params + [plain]))
+    other_mesh = _tp_tensors(_tp_cases()["2d"][0], [[Shard(0), Shard(0)]], 4)[0]
+    out["other_mesh"] = _raises(lambda: titanmac_c.get_total_norm([params[0].grad, other_mesh]))
 
     # a gradient not yet reduced over the ranks (each holds a summand)
     partial = DTensor.from_local(torch.ones(4), mesh, [Partial()], run_check=False)
@@ -414,7 +417,12 @@ def test_sharded_inputs_that_cannot_be_stepped_are_refused_by_name(ranks):
     kind, message = res["mixed"]
     assert kind == "ValueError"
     assert "parameters[1]: a plain tensor among DTensors (parameters[0] is one)" in message
+    assert res["mixed_first"] == (
+        "ValueError", "tensors[0]: a plain tensor among DTensors (tensors[1] is one): the norm "
+        "over ranks needs all of them as DTensors (as torch's does)")
     assert res["mixed_unchanged"]
+    kind, message = res["other_mesh"]
+    assert kind == "ValueError" and "tensors[1]: on another device mesh than tensors[0]" in message
     kind, message = res["partial"]
     assert kind == "ValueError" and "tensors[1]: a DTensor with a Partial placement" in message
     kind, message = res["plain_state"]

@@ -62,20 +62,18 @@ class ShardedNorms:
 
     def __init__(self, label, positions, tensors):
         cls = dtensor_type()
-        self.mesh = None
+        j, first = next((j, t) for j, t in zip(positions, tensors) if isinstance(t, cls))
+        self.mesh = first.device_mesh
         self.parts = {}
-        first = None
         for i, t in zip(positions, tensors):
             name = f"{label}[{i}]"
             if not isinstance(t, cls):
                 raise ValueError(
-                    f"{name}: a plain tensor among DTensors ({first} is one): the norm over "
-                    "ranks needs all of them as DTensors (as torch's does)")
-            if self.mesh is None:
-                self.mesh, first = t.device_mesh, name
-            elif t.device_mesh != self.mesh:
-                raise ValueError(f"{name}: on another device mesh than {first}: one norm "
-                                 "reduces over one mesh")
+                    f"{name}: a plain tensor among DTensors ({label}[{j}] is one): the norm "
+                    "over ranks needs all of them as DTensors (as torch's does)")
+            if t.device_mesh != self.mesh:
+                raise ValueError(f"{name}: on another device mesh than {label}[{j}]: one "
+                                 "norm reduces over one mesh")
             part = self.parts.setdefault(reduced_dims(name, t), ([], [], []))
             part[0].append(i)
             part[1].append(local_of(t))
