@@ -18,6 +18,7 @@ import warnings
 
 import pytest
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import titanmac_c
 from titanmac_c._reference_dno import ReferenceDeepNestedOptimizer
@@ -385,3 +386,55 @@ def test_explicit_meta_update_reads_the_first_4_rows_of_a_language_model_batch()
     assert ours.meta_trainer.loss_history[-1] == pytest.approx(ref.meta_trainer.loss_history[-1],
                                                                rel=1e-6)
     _assert_controllers_close(ref, ours, "meta_update")
+
+
+def test_step_hooks_on_base_optimizer_run_as_in_the_reference():
+    """The reference's base_optimizer.step() runs AdamW's step hooks (its own and torch's global
+    ones) on the steps it does not skip, after clipping the gradients in place and setting each
+    group's lr to base_lr * mu_g: ours runs them there too, seeing the same gradients and rates,
+    and a pre-hook that edits the gradients changes the update alike. Step 4 has a NaN gradient
+    (the guard skips on the device), step 7 a NaN loss, step 5 a meta-update."""
+    (model_r, ref), (model_o, ours) = _pair("mlp", "cpu", meta_update_freq=5)
+    seen = {id(ref.base_optimizer): [], id(ours.base_optimizer): []}
+
+    def pre(opt, args, kwargs):
+        first = opt.param_groups[0]["params"][0]
+        seen[id(opt)].append(("pre", first.grad.norm().item(), [g["lr"] for g in opt.param_groups]))
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.mul_(0.5)
+
+    def post(opt, args, kwargs):
+        seen[id(opt)].append(("post", float(opt.state[opt.param_groups[0]["params"][0]]["step"])))
+
+    def global_post(opt, args, kwargs):
+        if id(opt) in seen:
+            seen[id(opt)].append(("global", args[0] is opt))
+
+    handles = [register_optimizer_step_post_hook(global_post)]
+    for opt in (ref, ours):
+        handles.append(opt.base_optimizer.register_step_pre_hook(pre))
+        handles.append(opt.base_optimizer.register_step_post_hook(post))
+    try:
+        for step, batch in enumerate(synthetic_batches("mlp", 12, seed=2), start=1):
+            edit = _nan_in_a_gradient if step == 4 else None
+            loss_of = (lambda loss: math.nan) if step == 7 else (lambda loss: loss.item())
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the NaN loss's message
+                _plain_step(model_r, ref, batch, loss_of=loss_of, edit=edit)
+                _plain_step(model_o, ours, batch, loss_of=loss_of, edit=edit)
+    finally:
+        for handle in handles:
+            handle.remove()
+    theirs, mine = seen[id(ref.base_optimizer)], seen[id(ours.base_optimizer)]
+    assert [e[0] for e in mine] == [e[0] for e in theirs] == ["pre", "post", "global"] * 10
+    for (kind, *a), (_, *b) in zip(mine, theirs):
+        if kind == "pre":
+            assert a[0] == pytest.approx(b[0], rel=1e-5)  # clipped (max_grad_norm 1.0)
+            assert a[1] == pytest.approx(b[1], rel=1e-6)  # base_lr * mu_g
+        else:
+            assert a == b
+    assert [g["lr"] for g in ours.base_optimizer.param_groups] == [ours.base_lr] * 2
+    _compare_state(ref, ours, model_r, model_o, 12)
+    _assert_controllers_close(ref, ours, "after 12 steps")

@@ -42,6 +42,7 @@ import warnings
 
 import torch
 
+from . import _C
 from . import _profiling as prof
 from ._reference_dno import (
     DIRECT_MLP_MAX_HIDDEN,
@@ -66,7 +67,7 @@ from ._distributed import is_dtensor
 from ._dno_graph import GraphState
 from ._cms import CMSModeMixin, CMSState, init_output_on_sign, level_frequencies
 from ._dno_control import ControlStepMixin, watch_model_edits
-from ._runtime import SUPPORTED_DTYPES, Scratch
+from ._runtime import SUPPORTED_DTYPES, Scratch, call_dense, exec_kwargs, mark_written
 from .optim import AdamW
 
 
@@ -261,6 +262,7 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin):
         self._stored_loss = None
         self._warned_no_loss = False
         self._clip_mark = None  # see _mark_clipped_gradients
+        self._clipped_in_place = False  # this step clipped the gradients in memory (hooks)
         self.meta_trainer = SimplifiedMetaTrainer(window_size=self.meta_update_freq,
                                                   improvement_threshold=IMPROVEMENT_THRESHOLD)
         self.unrolled_trainer = UnrolledMetaTrainer(k_steps=self.k_unroll,
@@ -344,6 +346,7 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin):
             else:  # a finite float beyond float32's range: its largest value, as a step goes on
                 self._loss.fill_(max(-_FLOAT32_MAX, min(loss, _FLOAT32_MAX)))
             update = t % self.controller_update_freq == 0 or t == 1
+            self._clipped_in_place = False
             try:
                 with prof.step_range(prof.STEP):
                     if self._graph is None or not self._graph.step(t, update):
@@ -354,12 +357,14 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin):
                 self.global_step = t - 1
                 self._raise_if_sparse()
                 raise
-        self._clip_mark = self._mark_clipped_gradients()
+        # gradients clipped in memory (step hooks) carry no pending coefficient
+        self._clip_mark = None if self._clipped_in_place else self._mark_clipped_gradients()
         if self.mode == "simple" and t % self.meta_update_freq == 0:
             # Host logic every meta_update_freq steps; a step the guard skipped gets no meta update,
             # as in the reference, whose skip returns before it.
             if float(self.skipped) == 0.0:
-                clipped = self._coef if self.max_grad_norm > 0 else None
+                clipped = self._coef if self.max_grad_norm > 0 and not self._clipped_in_place \
+                    else None
                 with prof.step_range(prof.META):
                     self._update_meta_components(float(loss), clipped)
         result = {"global_step": t, "lr_multipliers": self._lr_multipliers.clone(),
@@ -427,11 +432,39 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin):
                     self._cms_phase2(t)
             else:
                 with prof.step_range(prof.UPDATE):
-                    self.base_optimizer._fused_step(lr=self._lr, grad_scale=self._coef,
-                                                    skip=self.skipped, zero_grads_on_skip=True)
+                    if self.base_optimizer._has_step_hooks():
+                        self._adamw_update_with_hooks()
+                    else:
+                        self.base_optimizer._fused_step(lr=self._lr, grad_scale=self._coef,
+                                                        skip=self.skipped,
+                                                        zero_grads_on_skip=True)
         except (BufferError, ValueError, TypeError):
             self._undo_control()
             raise
+
+    def _adamw_update_with_hooks(self):
+        """The update when step hooks hang on base_optimizer (its own or torch's global ones):
+        the reference runs them through base_optimizer.step(), on the steps it does not skip,
+        after clipping the gradients in place and setting each group's lr to base_lr * mu_g, so
+        here too (a hook may read or edit either). Costs a host read of the skip flag and the
+        multipliers, and a pass that clips the gradients in memory; without hooks none of it."""
+        base = self.base_optimizer
+        if float(self.skipped) != 0.0:
+            base._fused_step(lr=self._lr, skip=self.skipped, zero_grads_on_skip=True)
+            return
+        if self.max_grad_norm > 0:
+            grads = self._gather(with_params=True)[0]
+            call_dense(lambda ts: _C.scale_(ts, self._coef, **exec_kwargs(self.device)), grads)
+            mark_written(grads)
+            self._clipped_in_place = True
+        kept = [group["lr"] for group in base.param_groups]
+        for group, mu in zip(base.param_groups, self._lr_multipliers.tolist()):
+            group["lr"] = self.base_lr * mu
+        try:
+            base._with_step_hooks(base._fused_step)  # by the groups' lr, as a hook leaves them
+        finally:
+            for group, lr in zip(base.param_groups, kept):
+                group["lr"] = lr
 
     # ------------------------------------------------------------------ spec 9, meta-learning
 

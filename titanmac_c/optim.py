@@ -12,6 +12,7 @@ import math
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
+from torch.optim import optimizer as torch_optimizer
 
 from . import _C
 from . import _profiling as prof
@@ -276,6 +277,31 @@ class AdamW(Optimizer):
                 loss = closure()
         self._fused_step()
         return loss
+
+    def _has_step_hooks(self):
+        """Whether torch's step wrapper would run a hook around this optimizer's step() (one of
+        its own or a global one): callers of _fused_step that stand for a step() then run them."""
+        return bool(self._optimizer_step_pre_hooks or self._optimizer_step_post_hooks
+                    or torch_optimizer._global_optimizer_pre_hooks
+                    or torch_optimizer._global_optimizer_post_hooks)
+
+    def _with_step_hooks(self, step):
+        """step() run between the step hooks as torch's Optimizer.step wrapper runs them (global
+        pre-hooks, own pre-hooks, the step, own post-hooks, global post-hooks; a pre-hook may
+        replace the arguments the post-hooks see)."""
+        args, kwargs = (self,), {}
+        for hook in (*torch_optimizer._global_optimizer_pre_hooks.values(),
+                     *self._optimizer_step_pre_hooks.values()):
+            result = hook(self, args, kwargs)
+            if result is not None:
+                if not (isinstance(result, tuple) and len(result) == 2):
+                    raise RuntimeError(f"{hook} must return None or a tuple of (new_args, "
+                                       f"new_kwargs), but got {result}.")
+                args, kwargs = result
+        step()
+        for hook in (*self._optimizer_step_post_hooks.values(),
+                     *torch_optimizer._global_optimizer_post_hooks.values()):
+            hook(self, args, kwargs)
 
     def _fused_step(self, lr=None, grad_scale=None, skip=None, zero_grads_on_skip=False):
         """The step itself. lr: None (the groups' "lr" values), or a float32 tensor with one
