@@ -74,6 +74,29 @@ def test_parity_tensor_lr_and_scheduler(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_tensor_betas_stay_tensors_and_a_schedule_changing_them_in_place_acts(device):
+    """betas given as tensors stay tensors in the groups (0-d, as torch keeps them) and are read
+    at every step: a momentum schedule that changes them in place acts as on torch's."""
+    params_a = make_params([3, 4097], device)
+    params_b = clone_params(params_a)
+    betas_a = (torch.tensor([0.9]), torch.tensor(0.999))
+    betas_b = tuple(b.clone() for b in betas_a)
+    ours = titanmac_c.AdamW(params_a, lr=1e-2, betas=betas_a, weight_decay=0.05)
+    theirs = torch.optim.AdamW(params_b, lr=1e-2, betas=betas_b, weight_decay=0.05,
+                               foreach=False)
+    for group in (ours.param_groups[0], theirs.param_groups[0]):
+        assert all(isinstance(b, torch.Tensor) and b.dim() == 0 for b in group["betas"])
+    for step in range(8):
+        set_grads(params_a, params_b, step)
+        ours.step()
+        theirs.step()
+        for group in (ours.param_groups[0], theirs.param_groups[0]):
+            group["betas"][0].mul_(0.5)  # in place: the group keeps the same tensor
+            group["betas"][1].sub_(0.01)
+    assert_state_close(ours, theirs, params_a, params_b, tol(torch.float32, device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_parity_float_lr_cosine_schedule(device):
     params_a = make_params([65537, 7], device)
     params_b = clone_params(params_a)

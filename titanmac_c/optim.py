@@ -33,7 +33,8 @@ _STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
 
 def _scalar(name, value):
-    """A hyperparameter given as a 1-element tensor becomes a float (once, at construction)."""
+    """The float value of a hyperparameter that may be a 1-element tensor (read on the host:
+    a tensor on the GPU costs a sync)."""
     if isinstance(value, Tensor):
         if value.numel() != 1:
             raise ValueError(f"Tensor {name} must be 1-element")
@@ -75,11 +76,12 @@ class AdamW(Optimizer):
             raise ValueError(f"Invalid epsilon value: {eps}")
         if len(betas) != 2:
             raise ValueError(f"betas: expected 2 values, got {len(betas)}")
-        betas = (_scalar("betas[0]", betas[0]), _scalar("betas[1]", betas[1]))
-        if not 0.0 <= betas[0] < 1.0:
-            raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
-        if not 0.0 <= betas[1] < 1.0:
-            raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
+        for i, beta in enumerate(betas):
+            if not 0.0 <= _scalar(f"betas[{i}]", beta) < 1.0:
+                raise ValueError(f"Invalid beta parameter at index {i}: {beta}")
+        # tensors stay tensors in the groups, as torch keeps them (0-d), and are read at every
+        # step: a schedule may change them in place
+        betas = tuple(b.squeeze() if isinstance(b, Tensor) and b.dim() else b for b in betas)
         if not 0.0 <= weight_decay:
             raise ValueError(f"Invalid weight_decay value: {weight_decay}")
         if differentiable:
