@@ -3,7 +3,8 @@ AdamW, clip_grad_norm_ and get_total_norm take them through their contiguous per
 (_runtime.dense_views), element by element against torch over several steps. A gradient or state
 in another layout than its parameter's (any strides) is taken in the parameter's layout
 (_flat.in_layout_of): gradients as a copy, state for good. Parameters that are not dense
-(strided slices) are refused with BufferError naming the tensor, and nothing changes.
+(strided slices) are refused with BufferError naming the tensor, and nothing changes; the norm
+functions read such tensors through a copy, and clip_grad_norm_ scales such gradients with torch.
 """
 
 import copy
@@ -165,31 +166,37 @@ def test_a_parameter_that_is_not_dense_is_refused():
     with pytest.raises(BufferError, match=r"not contiguous"):
         opt.step()
     assert p not in opt.state
-    with pytest.raises(BufferError, match=r"not contiguous"):
-        titanmac_c.get_total_norm([p.grad])
 
 
-def _grads_in_layouts(device):
-    """Gradients of every layout the functions take: contiguous, transposed, channels_last."""
+def _grads_in_layouts(device, strided=False):
+    """Gradients of every dense layout: contiguous, transposed, channels_last; with strided, also
+    two that no order makes dense (every other column, a column block of a transposed matrix)."""
     gen = torch.Generator().manual_seed(3)
-    return [torch.randn(9, 4, generator=gen).to(device),
-            torch.randn(6, 5, generator=gen).to(device).t(),
-            torch.randn(2, 3, 4, 5, generator=gen).to(device).contiguous(
-                memory_format=torch.channels_last)]
+    grads = [torch.randn(9, 4, generator=gen).to(device),
+             torch.randn(6, 5, generator=gen).to(device).t(),
+             torch.randn(2, 3, 4, 5, generator=gen).to(device).contiguous(
+                 memory_format=torch.channels_last)]
+    if strided:
+        grads += [torch.randn(7, 10, generator=gen).to(device)[:, ::2],
+                  torch.randn(8, 6, generator=gen).to(device).t()[1:4]]
+    return grads
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("norm_type", [1.0, 2.0, 3.5, float("inf")])
-def test_norm_functions_take_dense_layouts_like_torch(device, norm_type):
-    grads = _grads_in_layouts(device)
-    assert [g.is_contiguous() for g in grads] == [True, False, False]
+@pytest.mark.parametrize("strided", [False, True], ids=["dense", "strided"])
+def test_norm_functions_take_any_layout_like_torch(device, norm_type, strided):
+    grads = _grads_in_layouts(device, strided)
+    assert [g.is_contiguous() for g in grads] == [True] + [False] * (len(grads) - 1)
     torch.testing.assert_close(titanmac_c.get_total_norm(grads, norm_type),
                                torch.nn.utils.get_total_norm(grads, norm_type),
                                rtol=1e-6, atol=0)
     ref = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
     ours = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
-    for pr, po, g in zip(ref, ours, grads):
-        pr.grad, po.grad = g.clone(), g.clone()
+    # the same values in the same strides, in memory of their own (a clone of a strided slice
+    # would be contiguous)
+    for pr, po, g, g_ours in zip(ref, ours, grads, _grads_in_layouts(device, strided)):
+        pr.grad, po.grad = g, g_ours
         assert po.grad.stride() == g.stride()
     total_ref = torch.nn.utils.clip_grad_norm_(ref, 0.5, norm_type)
     total = titanmac_c.clip_grad_norm_(ours, 0.5, norm_type)
@@ -197,6 +204,22 @@ def test_norm_functions_take_dense_layouts_like_torch(device, norm_type):
     for pr, po in zip(ref, ours):
         assert po.grad.stride() == pr.grad.stride()
         torch.testing.assert_close(po.grad, pr.grad, rtol=2e-6, atol=1e-7)
+
+
+def test_an_expanded_gradient_is_measured_but_not_scaled_as_with_torch():
+    """An expanded tensor (stride 0) has a norm over its logical elements, as torch's; scaling it
+    in place is refused (torch raises as well), naming it, before any gradient is scaled."""
+    expanded = torch.randn(1).expand(5)
+    dense = torch.randn(4)
+    torch.testing.assert_close(titanmac_c.get_total_norm([dense, expanded]),
+                               torch.nn.utils.get_total_norm([dense, expanded]), rtol=1e-6, atol=0)
+    a, b = torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.randn(5))
+    a.grad, b.grad = dense.clone(), expanded
+    with pytest.raises(RuntimeError, match=r"^parameters\[1\]: its gradient is an expanded"):
+        titanmac_c.clip_grad_norm_([a, b], 0.1)
+    assert torch.equal(a.grad, dense)
+    with pytest.raises(RuntimeError, match="more than one element of the written-to tensor"):
+        torch.nn.utils.clip_grad_norm_([a, b], 0.1)
 
 
 @pytest.mark.parametrize("device", DEVICES)

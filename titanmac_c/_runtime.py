@@ -46,9 +46,16 @@ def dense_order(t):
     return order if t.permute(order).is_contiguous() else None
 
 
-def dense_views(tensors):
+def is_strided_only(t):
+    """Whether no permutation makes t dense (a strided slice, an expanded tensor): the C core
+    cannot take it in place."""
+    return not t.is_contiguous() and dense_order(t) is None
+
+
+def dense_views(tensors, copy_strided=False):
     """tensors, the non-contiguous dense ones replaced by their contiguous permuted views (same
-    memory); None when there is none to replace."""
+    memory); with copy_strided, those no permutation makes dense by contiguous copies (for a
+    call that only reads them). None when there is none to replace."""
     views = list(tensors)
     changed = False
     for i, t in enumerate(views):
@@ -57,18 +64,22 @@ def dense_views(tensors):
             if order is not None:
                 views[i] = t.permute(order)
                 changed = True
+            elif copy_strided:
+                views[i] = t.contiguous()
+                changed = True
     return views if changed else None
 
 
-def call_dense(fn, *lists):
+def call_dense(fn, *lists, read_only=False):
     """fn(*lists) (a list may be None); if the C core refuses a tensor (BufferError: it
-    validates before writing), again with each list's dense_views when that changes anything.
-    Each list is viewed on its own, so fn must pair no elements across lists (norms, scaling).
-    Contiguous input costs nothing extra."""
+    validates before writing), again with each list's dense_views when that changes anything
+    (read_only: fn only reads the tensors, so strided ones go as contiguous copies, as torch's
+    norms take any tensor). Each list is viewed on its own, so fn must pair no elements across
+    lists (norms, scaling). Contiguous input costs nothing extra."""
     try:
         return fn(*lists)
     except BufferError:
-        views = [None if ts is None else dense_views(ts) for ts in lists]
+        views = [None if ts is None else dense_views(ts, read_only) for ts in lists]
         if all(v is None for v in views):
             raise
         return fn(*(ts if v is None else v for ts, v in zip(lists, views)))

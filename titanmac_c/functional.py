@@ -7,8 +7,9 @@ Differences from torch (also listed in the README):
   returns it); for bf16/fp16 gradients torch sums in that dtype, so ours is the more accurate one.
 - clip_grad_norm_ computes the clip coefficient from the float32 norm.
 - get_total_norm and clip_grad_norm_ never wait on the GPU unless error_if_nonfinite=True.
-- non-contiguous tensors are taken when dense in another order (transposed, channels_last:
-  _runtime.dense_views); others (e.g. strided slices) raise BufferError, where torch copes.
+- non-contiguous tensors are taken in place when dense in another order (transposed,
+  channels_last: _runtime.dense_views); others (strided slices, expanded tensors) are read
+  through a contiguous copy, and gradients of that kind are scaled by torch's mul_.
 - DTensors (FSDP2, tensor parallel): the local shards' norms are reduced over the device mesh
   (_distributed.ShardedNorms); the norm is returned as a replicated DTensor, as torch's.
 """
@@ -23,6 +24,7 @@ from ._distributed import ShardedNorms, any_dtensor
 from ._runtime import (
     call_dense,
     exec_kwargs,
+    is_strided_only,
     mark_written,
     norms_scratch,
     reraise_with_names,
@@ -70,11 +72,11 @@ def _by_device(tensors):
     return groups
 
 
-def _call_named(label, positions, fn, tensors):
+def _call_named(label, positions, fn, tensors, read_only=False):
     """call_dense(fn, tensors) with a refused tensor's message naming it as the user does
     ("parameters[4]"; the names are made only on an error)."""
     try:
-        return call_dense(fn, tensors)
+        return call_dense(fn, tensors, read_only=read_only)
     except (ValueError, TypeError, BufferError) as exc:
         reraise_with_names(exc, [f"{label}[{i}]" for i in positions])
 
@@ -89,7 +91,7 @@ def _total_on_device(label, positions, tensors, norm_type, device, max_norm=None
         _C.norms(ts, None, out[0:1], out[1:2], norm_type=norm_type,
                  scratch=norms_scratch(device, ts), **clip, **exec_kwargs(device))
 
-    _call_named(label, positions, run, tensors)
+    _call_named(label, positions, run, tensors, read_only=True)
     return out
 
 
@@ -108,9 +110,25 @@ def _local_norm(label, norm_type):
 
 
 def _scale_grads(device, positions, grads, coef, *written):
-    """grads *= coef (a float32 [1] tensor on device), in one C call."""
+    """grads *= coef (a float32 [1] tensor on device), in one C call; gradients the C core cannot
+    take in place (strided slices) by torch's mul_ after it."""
     kwargs = exec_kwargs(device)
-    _call_named("parameters", positions, lambda ts: _C.scale_(ts, coef, **kwargs), grads)
+    try:
+        _call_named("parameters", positions, lambda ts: _C.scale_(ts, coef, **kwargs), grads)
+    except BufferError:
+        strided = [i for i, g in enumerate(grads) if is_strided_only(g)]
+        if not strided:
+            raise
+        for i in strided:  # torch's own refusal, before anything is written
+            if any(st == 0 and n > 1 for st, n in zip(grads[i].stride(), grads[i].shape)):
+                raise RuntimeError(f"parameters[{positions[i]}]: its gradient is an expanded "
+                                   "tensor (several elements on one memory location) and "
+                                   "cannot be scaled in place, as with torch") from None
+        dense = [i for i in range(len(grads)) if i not in strided]
+        _call_named("parameters", [positions[i] for i in dense],
+                    lambda ts: _C.scale_(ts, coef, **kwargs), [grads[i] for i in dense])
+        for i in strided:  # in float32, one rounding, as the C core scales
+            grads[i].copy_(grads[i].float() * coef[0])
     mark_written(grads, *written)
 
 
@@ -237,7 +255,8 @@ def group_norms(grads, params=None, group_of=None, num_groups=1, norm_type=2.0):
         _C.norms(gs, ps, out[0:g], out[2 * g : 2 * g + 1], scratch=norms_scratch(device, gs, ps),
                  **kwargs, **exec_kwargs(device))
 
-    call_dense(run, grads, params)  # each tensor's norm is its own: views need no pairing
+    # each tensor's norm is its own: views need no pairing
+    call_dense(run, grads, params, read_only=True)
     has_params = params is not None
     return GroupNorms(
         grad=out[0:g],

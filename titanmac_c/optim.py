@@ -253,7 +253,7 @@ class AdamW(Optimizer):
                          max_norm=max_norm, scratch=norms_scratch(device, ts), **kwargs)
 
             with prof.step_range(prof.STATS):
-                call_dense(run, grads)
+                call_dense(run, grads, read_only=True)
             total = buf[0:1]
         else:
             total = total_norm.detach().reshape(1)
