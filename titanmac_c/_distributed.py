@@ -80,8 +80,8 @@ class ShardedNorms:
             part[2].append(t)
 
     def total(self, local_norm, norm_type):
-        """The norm over every rank's shards, a float32 [1] tensor on this rank's device, equal on
-        all ranks. local_norm(positions, tensors) gives the float32 [1] norm of local tensors.
+        """The norm over every rank's shards, a float32 0-d tensor on this rank's device, equal on
+        all ranks. local_norm(positions, tensors) gives the float32 0-d norm of local tensors.
         One all_reduce per mesh dimension of each part (an FSDP2 model: one), on float64 powers
         so that summing many ranks loses nothing."""
         inf = math.isinf(norm_type)
