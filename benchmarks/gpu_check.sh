@@ -9,12 +9,12 @@
 #        ~30 s, tests ~155 s, memcheck and racecheck ~5 and ~20 s a test), three calls:
 #          OUT=$OUT PACK=1 STEPS="build tests train_cms phase1" bash benchmarks/gpu_check.sh
 #          OUT=$OUT PACK=1 STEPS="build racecheck memcheck" SAN_TIMEOUT=270 bash ...
-#          OUT=$OUT PACK=1 STEPS="build bench host train train_legacy profile" bash ...
+#          OUT=$OUT PACK=1 STEPS="build bench host train train_legacy profile dist" bash ...
 # Env:   TITANMAC_CUDA_ARCHS  defaults to the compute capability of GPU 0 (fast build)
 #        OUT                  folder for logs and JSON (default benchmarks/out)
 #        STEPS                which checks to run, always in the script's order (default:
 #                             all: "build tests racecheck memcheck bench host train train_cms
-#                             phase1 train_legacy profile")
+#                             phase1 train_legacy profile dist")
 #        PACK=1               at the end, pack every file in OUT but summary.txt into
 #                             OUT/gpu_check.tar.gz (a lent machine returns only a few files)
 #        SAN_K, RACE_K        pytest -k selections of memcheck and racecheck (defaults below)
@@ -26,7 +26,8 @@ OUT=${OUT:-benchmarks/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 declare -A RESULT
-ALL_STEPS="build tests racecheck memcheck bench host train train_cms phase1 train_legacy profile"
+ALL_STEPS="build tests racecheck memcheck bench host train train_cms phase1 train_legacy profile \
+dist"
 STEPS=${STEPS:-$ALL_STEPS}
 
 step() {  # step NAME COMMAND...: run, log to $OUT/NAME.log, remember pass/fail
@@ -79,6 +80,8 @@ step train_legacy python3 benchmarks/bench_train.py --device cuda --mode cms --n
     --steps 100 --out "$OUT/bench_train_legacy_cuda.json"
 step profile python3 benchmarks/profile_step.py --device cuda --sizes titanmac,d1024l8 \
     --out "$OUT/profile_step_cuda.json"
+step dist python3 benchmarks/bench_distributed.py --device cuda --world 1 --layers 50 \
+    --width 2048
 
 status=0
 {
