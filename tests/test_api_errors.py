@@ -299,11 +299,12 @@ def _alias(key, other):
     (_alias("exp_avg_sq", "exp_avg"), ValueError, "must not share memory"),
     (_alias("max_exp_avg_sq", "exp_avg_sq"), ValueError, "must not share memory"),
     (_alias("exp_avg", "grad"), ValueError, "must not share memory"),
-    (lambda opt, p: opt.state[p].__setitem__("step", 3), ValueError, "step must be a float32"),
+    (lambda opt, p: opt.state[p].__setitem__("step", torch.ones(2)), ValueError,
+     "step must be a float32"),
 ])
 def test_mixed_amsgrad_groups_precheck_covers_corrupted_state(spoil, exc, match):
-    """State tensors that alias each other or the gradient, or a step that is a Python number,
-    in the second call's group: refused before the first call writes."""
+    """State tensors that alias each other or the gradient, or a step of two elements, in the
+    second call's group: refused before the first call writes."""
     a = [torch.nn.Parameter(torch.randn(4, 3)) for _ in range(2)]
     b = [torch.nn.Parameter(torch.randn(4, 3)) for _ in range(2)]
     opt = titanmac_c.AdamW([{"params": a}, {"params": b, "amsgrad": True}], lr=0.1)

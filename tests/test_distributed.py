@@ -7,6 +7,7 @@ so that only its tests fail.
 """
 
 import datetime
+import math
 import os
 import tempfile
 import traceback
@@ -166,10 +167,8 @@ def _raises(fn):
 
 def scenario_refused(rank):
     """Inputs a sharded step cannot take: refused by name, nothing written."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Partial, Shard
+    from torch.distributed.tensor import Shard, distribute_tensor
 
-    mesh = init_device_mesh("cpu", (WORLD,))
     out = {}
     model = _sharded_model(3)
     model(torch.randn(2, 8)).sum().backward()
@@ -181,12 +180,16 @@ def scenario_refused(rank):
     out["mixed_first"] = _raises(lambda: titanmac_c.get_total_norm([plain.grad, params[0].grad]))
     out["mixed_unchanged"] = all(torch.equal(a, _full(b.grad)) for a, b in
                                  zip(before, params + [plain]))
-    other_mesh = _tp_tensors(_tp_cases()["2d"][0], [[Shard(0), Shard(0)]], 4)[0]
+    # params[1] is model[0].bias: 16 elements
+    other_mesh = distribute_tensor(torch.randn(16), _tp_cases()["2d"][0], [Shard(0), Shard(0)])
     out["other_mesh"] = _raises(lambda: titanmac_c.get_total_norm([params[0].grad, other_mesh]))
 
-    # a gradient not yet reduced over the ranks (each holds a summand)
-    partial = DTensor.from_local(torch.ones(4), mesh, [Partial()], run_check=False)
-    out["partial"] = _raises(lambda: titanmac_c.get_total_norm([params[1].grad, partial]))
+    # a gradient on another mesh than its parameter's
+    p1 = params[1]
+    p1_grad = p1.grad
+    p1.grad = other_mesh
+    out["grad_mesh"] = _raises(titanmac_c.AdamW([p1], lr=0.1).step)
+    p1.grad = p1_grad
 
     # a full (unsharded) state loaded into a sharded model's optimizer, as torch.load of a
     # single-process checkpoint would give it
@@ -200,6 +203,72 @@ def scenario_refused(rank):
     out["plain_state_unchanged"] = all(torch.equal(a, _full(p)) for a, p in zip(snapshot, params))
 
     out["dno"] = _raises(lambda: titanmac_c.DeepNestedOptimizer(model))
+    return out
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(8)
+        self.up = torch.nn.Linear(8, 16)
+        self.down = torch.nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(self.norm(x))))
+
+
+def scenario_sequence_parallel(rank):
+    """torch's tensor-parallel recipe with a sequence-parallel LayerNorm, whose gradients autograd
+    leaves Partial(sum) (each rank holds a summand), and a parameter sharded along dim 1 with a
+    replicated gradient: ours against torch (which redistributes both in its ops), clip and
+    AdamW over STEPS steps. Also: the infinity norm with a NaN on one rank only (a MAX all_reduce
+    may drop it), and AdamW.clip_grad_norm_ given a norm computed by torch."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    out = {}
+    for name, opt_cls, clip in (("torch", torch.optim.AdamW, torch.nn.utils.clip_grad_norm_),
+                                ("ours", titanmac_c.AdamW, titanmac_c.clip_grad_norm_)):
+        torch.manual_seed(0)
+        block = parallelize_module(_Block(), mesh, {
+            "norm": SequenceParallel(), "up": ColwiseParallel(input_layouts=Shard(1)),
+            "down": RowwiseParallel(output_layouts=Shard(1))})
+        column = torch.nn.Parameter(distribute_tensor(torch.randn(4, 6), mesh, [Shard(1)]))
+        params = list(block.parameters()) + [column]
+        opt = opt_cls(params, lr=1e-2, weight_decay=0.1)
+        norms = []
+        for step in range(STEPS):
+            torch.manual_seed(10 + step)
+            x = torch.randn(2, 4, 8)
+            block(x[:, 2 * rank:2 * rank + 2]).pow(2).sum().backward()
+            column.grad = distribute_tensor(torch.randn(4, 6), mesh, [Replicate()])
+            if step == 0:
+                out[f"{name}_placements"] = sorted({repr(p.grad.placements) for p in params})
+            norms.append(float(_full(clip(params, 1.0))))
+            opt.step()
+            opt.zero_grad()
+        out[name] = dict(norms=norms, params=[_full(p) for p in params])
+
+    nan_on_rank1 = distribute_tensor(torch.arange(6.0), mesh, [Shard(0)])
+    if rank == 1:
+        nan_on_rank1.to_local()[0] = math.nan
+    out["nan_norms"] = [float(_full(titanmac_c.get_total_norm([nan_on_rank1], p)))
+                        for p in (2.0, math.inf)]
+
+    # the folded clip: a norm given by torch comes back as it came, a DTensor
+    model = _sharded_model(5)
+    model(torch.randn(2, 8)).sum().backward()
+    opt = titanmac_c.AdamW(model.parameters(), lr=1e-2)
+    given = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+    returned = opt.clip_grad_norm_(1.0, total_norm=given)
+    out["folded_given"] = (type(returned).__name__, float(_full(returned)), float(_full(given)))
+    plain = torch.nn.Parameter(torch.randn(3))
+    plain.grad = torch.randn(3)
+    opt.add_param_group({"params": [plain]})
+    out["folded_mixed"] = _raises(lambda: opt.clip_grad_norm_(1.0))
     return out
 
 
@@ -313,8 +382,8 @@ def scenario_cuda(rank):
     return out
 
 
-SCENARIOS = [scenario_fsdp2, scenario_tensor_parallel, scenario_refused, scenario_checkpoint,
-             scenario_ddp_deep_nested, scenario_zero]
+SCENARIOS = [scenario_fsdp2, scenario_tensor_parallel, scenario_sequence_parallel,
+             scenario_refused, scenario_checkpoint, scenario_ddp_deep_nested, scenario_zero]
 
 
 def _rank_main(rank, world, backend, scenarios, init_file, out_dir):
@@ -412,6 +481,36 @@ def test_tensor_parallel_adamw_and_clip_match_torch(ranks, mesh):
                 torch.testing.assert_close(a, b, **CLOSE)
 
 
+def test_partial_and_differently_placed_gradients_match_torch(ranks):
+    for rank in range(WORLD):
+        res = _result(ranks, "scenario_sequence_parallel", rank)
+        # the cases are there: Partial gradients (the LayerNorm's), a replicated gradient of a
+        # Shard(1) parameter
+        assert "(Partial(sum),)" in res["ours_placements"]
+        assert res["ours_placements"] == res["torch_placements"]
+        assert res["ours"]["norms"] == pytest.approx(res["torch"]["norms"], rel=1e-5)
+        for a, b in zip(res["ours"]["params"], res["torch"]["params"]):
+            torch.testing.assert_close(a, b, **CLOSE)
+
+
+def test_a_nan_on_one_rank_makes_every_rank_s_norm_nan(ranks):
+    """gloo's MAX drops a NaN (torch's infinity norm then differs between the ranks); ours
+    carries it as a flag, so every rank sees it, in every norm."""
+    for rank in range(WORLD):
+        norms = _result(ranks, "scenario_sequence_parallel", rank)["nan_norms"]
+        assert all(math.isnan(n) for n in norms), (rank, norms)
+
+
+def test_folded_clip_returns_a_given_dtensor_norm_as_a_dtensor_and_names_parameters(ranks):
+    res = _result(ranks, "scenario_sequence_parallel")
+    kind, value, given = res["folded_given"]
+    assert kind == "DTensor" and value == given
+    assert res["folded_mixed"] == (
+        "ValueError", "param_groups[1]['params'][0]: a plain tensor among DTensors "
+        "(param_groups[0]['params'][0] is one): the norm over ranks needs all of them as "
+        "DTensors (as torch's does)")
+
+
 def test_sharded_inputs_that_cannot_be_stepped_are_refused_by_name(ranks):
     res = _result(ranks, "scenario_refused")
     kind, message = res["mixed"]
@@ -423,8 +522,10 @@ def test_sharded_inputs_that_cannot_be_stepped_are_refused_by_name(ranks):
     assert res["mixed_unchanged"]
     kind, message = res["other_mesh"]
     assert kind == "ValueError" and "tensors[1]: on another device mesh than tensors[0]" in message
-    kind, message = res["partial"]
-    assert kind == "ValueError" and "tensors[1]: a DTensor with a Partial placement" in message
+    kind, message = res["grad_mesh"]
+    assert kind == "ValueError"
+    assert message.startswith("param_groups[0]['params'][0]: its gradient is a DTensor "
+                              "(Shard(dim=0), Shard(dim=0)) on DeviceMesh")
     kind, message = res["plain_state"]
     assert kind == "ValueError"
     assert "param_groups[0]['params'][0]: the parameter is a DTensor (Shard(dim=0))" in message

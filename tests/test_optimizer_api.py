@@ -112,6 +112,32 @@ def test_old_checkpoint_with_python_number_step_loads():
     assert float(opt.state[p]["step"]) == 5.0
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("written", ["python_int", "cpu_float64", "one_element"])
+def test_a_step_count_written_into_the_state_is_taken(device, written):
+    """Code that writes optimizer.state itself may leave the step count as another kind of value
+    (ZeroRedundancyOptimizer.load_state_dict moves 0-d state tensors to the CPU, where torch's
+    AdamW keeps them): the next step takes it, as torch's does, and continues like torch's."""
+    params = make_params([3, 4097], device, misaligned=False)
+    theirs_params = clone_params(params)
+    ours = titanmac_c.AdamW(params, lr=1e-2, weight_decay=0.1)
+    theirs = torch.optim.AdamW(theirs_params, lr=1e-2, weight_decay=0.1, foreach=False)
+    for step in range(6):
+        set_grads(params, theirs_params, step)
+        if step == 3:
+            for p in params:
+                count = float(ours.state[p]["step"])
+                ours.state[p]["step"] = {"python_int": int(count),
+                                         "cpu_float64": torch.tensor(count, dtype=torch.float64),
+                                         "one_element": torch.tensor([count])}[written]
+        ours.step()
+        theirs.step()
+    for p, q in zip(params, theirs_params):
+        torch.testing.assert_close(p, q, **tol(torch.float32, device))
+        assert float(ours.state[p]["step"]) == 6.0
+        assert ours.state[p]["step"].device == p.device
+
+
 def test_add_param_group_and_deepcopy():
     a = torch.nn.Parameter(torch.ones(4))
     b = torch.nn.Parameter(torch.ones(2))

@@ -42,42 +42,62 @@ def _placements_text(t):
     return "(" + ", ".join(repr(p) for p in t.placements) + ")"
 
 
-def reduced_dims(name, t):
-    """The mesh dimensions over which t's local norm must be summed: those it is sharded on.
-    A Partial placement (a gradient not yet reduced) has no norm per rank: refused."""
-    dims = []
-    for d, placement in enumerate(t.placements):
-        if placement.is_partial():
-            raise ValueError(f"{name}: a DTensor with a Partial placement "
-                             f"{_placements_text(t)}; redistribute it to Shard or Replicate "
-                             "before taking its norm")
-        if placement.is_shard():
-            dims.append(d)
-    return tuple(dims)
+def reduced(t):
+    """t, or when it has Partial placements (a gradient not yet summed over the ranks, as autograd
+    leaves those of a sequence-parallel LayerNorm) a copy summed there (Replicate), as torch's
+    ops redistribute one before using it: a collective."""
+    if not any(placement.is_partial() for placement in t.placements):
+        return t
+    from torch.distributed.tensor import Replicate
+
+    return t.redistribute(t.device_mesh, [Replicate() if placement.is_partial() else placement
+                                          for placement in t.placements])
+
+
+def sharded_dims(t):
+    """The mesh dimensions over which t's local norm must be summed: those it is sharded on (a
+    replicated dimension holds copies)."""
+    return tuple(d for d, placement in enumerate(t.placements) if placement.is_shard())
+
+
+def replicated(mesh, value):
+    """value (the same on every rank) as the DTensor torch's norms return: replicated over the
+    mesh, so `.full_tensor()` and `.to_local()` work as on torch's result."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    return DTensor.from_local(value, mesh, [Replicate()] * mesh.ndim, run_check=False)
 
 
 class ShardedNorms:
     """The tensors of a norm (all DTensors on one device mesh) split by the mesh dimensions they
-    are sharded on: parts[dims] = (positions in the caller's list, local shards, the DTensors)."""
+    are sharded on: parts[dims] = (positions in the caller's list, the local shards the norm
+    reads, the DTensors as given). A Partial tensor is read summed over the ranks (reduced); its
+    own shards, which a clip scales, stay partial (scaling commutes with the sum). names: the
+    user's name of each position (default "<label>[<position>]")."""
 
-    def __init__(self, label, positions, tensors):
+    def __init__(self, label, positions, tensors, names=None):
         cls = dtensor_type()
+        self._names = names
+        self._label = label
         j, first = next((j, t) for j, t in zip(positions, tensors) if isinstance(t, cls))
         self.mesh = first.device_mesh
         self.parts = {}
         for i, t in zip(positions, tensors):
-            name = f"{label}[{i}]"
             if not isinstance(t, cls):
                 raise ValueError(
-                    f"{name}: a plain tensor among DTensors ({label}[{j}] is one): the norm "
-                    "over ranks needs all of them as DTensors (as torch's does)")
+                    f"{self._name(i)}: a plain tensor among DTensors ({self._name(j)} is one): "
+                    "the norm over ranks needs all of them as DTensors (as torch's does)")
             if t.device_mesh != self.mesh:
-                raise ValueError(f"{name}: on another device mesh than {label}[{j}]: one "
-                                 "norm reduces over one mesh")
-            part = self.parts.setdefault(reduced_dims(name, t), ([], [], []))
+                raise ValueError(f"{self._name(i)}: on another device mesh than "
+                                 f"{self._name(j)}: one norm reduces over one mesh")
+            read = reduced(t)
+            part = self.parts.setdefault(sharded_dims(read), ([], [], []))
             part[0].append(i)
-            part[1].append(local_of(t))
+            part[1].append(local_of(read))
             part[2].append(t)
+
+    def _name(self, i):
+        return self._names[i] if self._names is not None else f"{self._label}[{i}]"
 
     def total(self, local_norm, norm_type):
         """The norm over every rank's shards, a float32 0-d tensor on this rank's device, equal on
@@ -88,11 +108,17 @@ class ShardedNorms:
         total = None
         for dims, (positions, tensors, _) in self.parts.items():
             value = local_norm(positions, tensors).double()
-            if not inf:
+            if inf and dims:
+                # a MAX may drop a NaN (gloo's does): it travels as a flag beside the value
+                nan = value.isnan()
+                value = torch.stack([torch.where(nan, 0.0, value), nan.double()])
+            elif not inf:
                 value = value.pow(norm_type)
             for d in dims:
                 dist.all_reduce(value, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM,
                                 group=self.mesh.get_group(d))
+            if inf and dims:
+                value = torch.where(value[1] > 0, math.nan, value[0])
             total = value if total is None else (
                 torch.maximum(total, value) if inf else total + value)
         if not inf:
@@ -100,19 +126,15 @@ class ShardedNorms:
         return total.float()
 
     def replicated(self, value):
-        """value (the same on every rank) as the DTensor torch's norms return: replicated over
-        the mesh, so `.full_tensor()` and `.to_local()` work as on torch's result."""
-        from torch.distributed.tensor import DTensor, Replicate
-
-        return DTensor.from_local(value, self.mesh, [Replicate()] * self.mesh.ndim,
-                                  run_check=False)
+        return replicated(self.mesh, value)
 
 
 def localize(name, p, grad, state, keys):
-    """(local p, local grad, {key: local state tensor}) of a DTensor parameter whose gradient and
-    state tensors (the keys present in state) are DTensors of the same mesh and placements, as
-    torch's AdamW on a DTensor leaves them; anything else is refused with the tensor's name,
-    before the C core writes anything."""
+    """(local p, local grad, {key: local state tensor}) of a DTensor parameter. Its state tensors
+    (the keys present in state) must be DTensors of its mesh and placements, as torch's AdamW on
+    a DTensor leaves them; its gradient a DTensor of its mesh, taken in the parameter's
+    placements for this step (a Partial one summed, a replicated one sliced: a collective, as in
+    torch's ops). Anything else is refused with the tensor's name, before the C core writes."""
     cls = dtensor_type()
     named = [("gradient", grad)] + [(k, state[k]) for k in keys if k in state]
     for what, t in named:
@@ -121,10 +143,13 @@ def localize(name, p, grad, state, keys):
                              f"{what} is a plain tensor of shape {tuple(t.shape)}; load "
                              "sharded state with torch.distributed.checkpoint's "
                              "set_optimizer_state_dict")
-        if t.device_mesh != p.device_mesh or tuple(t.placements) != tuple(p.placements):
+        if t.device_mesh != p.device_mesh or (
+                what != "gradient" and tuple(t.placements) != tuple(p.placements)):
             raise ValueError(f"{name}: its {what} is a DTensor {_placements_text(t)} on "
                              f"{t.device_mesh}, the parameter {_placements_text(p)} on "
                              f"{p.device_mesh}: they must be sharded alike")
+    if tuple(grad.placements) != tuple(p.placements):
+        grad = grad.redistribute(p.device_mesh, p.placements)
     return local_of(p), local_of(grad), {k: local_of(state[k]) for k in keys if k in state}
 
 

@@ -20,7 +20,7 @@ import torch
 
 from . import _C
 from . import _profiling as prof
-from ._distributed import ShardedNorms, any_dtensor
+from ._distributed import ShardedNorms, any_dtensor, local_of
 from ._runtime import (
     call_dense,
     exec_kwargs,
@@ -95,12 +95,12 @@ def _total_on_device(label, positions, tensors, norm_type, device, max_norm=None
     return out
 
 
-def _sharded(label, tensors):
+def _sharded(label, tensors, names=None):
     """ShardedNorms of the tensors (None entries skipped) when any is a DTensor, else None."""
     if not any_dtensor(tensors):
         return None
     positions = [i for i, t in enumerate(tensors) if t is not None]
-    return ShardedNorms(label, positions, [tensors[i] for i in positions])
+    return ShardedNorms(label, positions, [tensors[i] for i in positions], names)
 
 
 def _local_norm(label, norm_type):
@@ -224,8 +224,8 @@ def _clip_sharded(sharded, max_norm, norm_type, error_if_nonfinite, dtype):
     coef = torch.empty(1, dtype=torch.float32, device=device)
     _C.clip_coef(total.reshape(1), max_norm, coef, stream=exec_kwargs(device).get("stream"))
     with prof.step_range(prof.CLIP):
-        for positions, local_grads, wrappers in sharded.parts.values():
-            _scale_grads(device, positions, local_grads, coef, wrappers)
+        for positions, _, wrappers in sharded.parts.values():
+            _scale_grads(device, positions, [local_of(w) for w in wrappers], coef, wrappers)
     return sharded.replicated(total if dtype == torch.float32 else total.to(dtype))
 
 

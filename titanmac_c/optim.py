@@ -16,7 +16,14 @@ from torch.optim import optimizer as torch_optimizer
 
 from . import _C
 from . import _profiling as prof
-from ._distributed import dtensor_type, is_dtensor, localize, refuse_plain_with_dtensor
+from ._distributed import (
+    any_dtensor,
+    dtensor_type,
+    is_dtensor,
+    localize,
+    refuse_plain_with_dtensor,
+    replicated,
+)
 from ._flat import Batch, Plan, in_layout_of
 from ._runtime import (
     Scratch,
@@ -235,9 +242,15 @@ class AdamW(Optimizer):
             if len({g.device for g in grads}) > 1:
                 raise ValueError("clip_grad_norm_: parameters on several devices; use "
                                  "titanmac_c.clip_grad_norm_ instead")
-        sharded = _sharded("grads", grads) if total_norm is None else None
-        if is_dtensor(total_norm):
-            total_norm = total_norm.full_tensor()  # a norm is replicated: no communication
+        sharded = None
+        if total_norm is None and any_dtensor(grads):
+            names = [f"param_groups[{gi}]['params'][{pi}]"
+                     for gi, group in enumerate(self.param_groups)
+                     for pi, p in enumerate(group["params"]) if p.grad is not None]
+            sharded = _sharded("grads", grads, names)
+        mesh = None
+        if is_dtensor(total_norm):  # returned as it came, a replicated DTensor
+            mesh, total_norm = total_norm.device_mesh, total_norm.full_tensor()
         device = grads[0].device
         buf = torch.empty(2, dtype=torch.float32, device=device)
         kwargs = exec_kwargs(device)
@@ -268,7 +281,9 @@ class AdamW(Optimizer):
         elif dtype is None:
             dtype = _result_dtype(grads)
         result = total[0] if dtype == torch.float32 else total[0].to(dtype)
-        return result if sharded is None else sharded.replicated(result)
+        if sharded is not None:
+            mesh = sharded.mesh
+        return result if mesh is None else replicated(mesh, result)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -398,6 +413,7 @@ class AdamW(Optimizer):
                     batch.wrappers.append(p)
                     batch.no_plan = True
                     p, grad, tensors = localize(name, p, grad, state, _STATE_KEYS)
+                    grad = in_layout_of(grad, p)  # a local gradient in another layout: a copy
                 else:
                     if dtensor is not None:
                         refuse_plain_with_dtensor(name, p, grad, state, _STATE_KEYS)
@@ -416,7 +432,7 @@ class AdamW(Optimizer):
                 batch.exp_avg_sqs.append(tensors["exp_avg_sq"])
                 if batch.amsgrad:
                     batch.max_exp_avg_sqs.append(tensors["max_exp_avg_sq"])
-                batch.steps.append(state["step"])
+                batch.steps.append(self._step_count(state, p.device))
                 batch.names.append(name)
         for batch in batches.values():
             batch.permute_dense()
@@ -441,6 +457,19 @@ class AdamW(Optimizer):
                            high_open=False),
             bool(group["maximize"]),
         )
+
+    @staticmethod
+    def _step_count(state, device):
+        """state["step"] as the C core takes it, a float32 tensor on the parameter's device: code
+        that writes optimizer.state itself may leave another (ZeroRedundancyOptimizer's
+        load_state_dict moves 0-d state tensors to the CPU, as torch's AdamW keeps them). One
+        of several elements is left for the C core to name."""
+        step = state["step"]
+        if isinstance(step, Tensor) and (
+                step.dtype == torch.float32 and step.device == device or step.numel() != 1):
+            return step
+        state["step"] = torch.as_tensor(float(step), dtype=torch.float32, device=device)
+        return state["step"]
 
     @staticmethod
     def _init_state(name, p, amsgrad):
