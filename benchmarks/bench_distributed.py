@@ -30,14 +30,16 @@ import titanmac_c  # noqa: E402
 
 
 def _model(layers, width, device):
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
     model.to(device)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     for layer in model:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model
 
 

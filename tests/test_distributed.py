@@ -40,13 +40,27 @@ def _model(seed):
                                torch.nn.Linear(16, 5))
 
 
+_MESHES = {}
+
+
+def _mesh(device_type):
+    """One 1-D mesh over all ranks per device type, named explicitly: fully_shard's default
+    mesh is CUDA's wherever a GPU is visible, also for the CPU scenarios."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if device_type not in _MESHES:
+        _MESHES[device_type] = init_device_mesh(device_type, (dist.get_world_size(),))
+    return _MESHES[device_type]
+
+
 def _sharded_model(seed, device="cpu"):
     from torch.distributed.fsdp import fully_shard
 
     model = _model(seed).to(device)
+    mesh = _mesh(torch.device(device).type)
     for layer in (model[0], model[3]):
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model
 
 
