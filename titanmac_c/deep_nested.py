@@ -447,7 +447,9 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin):
         the reference runs them through base_optimizer.step(), on the steps it does not skip,
         after clipping the gradients in place and setting each group's lr to base_lr * mu_g, so
         here too (a hook may read or edit either). Costs a host read of the skip flag and the
-        multipliers, and a pass that clips the gradients in memory; without hooks none of it."""
+        multipliers, and a pass that clips the gradients in memory; without hooks none of it.
+        An update the C core then refuses (a parameter resized since its state) leaves the
+        gradients clipped, as the reference's would be."""
         base = self.base_optimizer
         if float(self.skipped) != 0.0:
             base._fused_step(lr=self._lr, skip=self.skipped, zero_grads_on_skip=True)
