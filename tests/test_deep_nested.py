@@ -18,7 +18,8 @@ import warnings
 
 import pytest
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import (register_optimizer_step_post_hook,
+                                   register_optimizer_step_pre_hook)
 
 import titanmac_c
 from titanmac_c._reference_dno import ReferenceDeepNestedOptimizer
@@ -438,3 +439,71 @@ def test_step_hooks_on_base_optimizer_run_as_in_the_reference():
     assert [g["lr"] for g in ours.base_optimizer.param_groups] == [ours.base_lr] * 2
     _compare_state(ref, ours, model_r, model_o, 12)
     _assert_controllers_close(ref, ours, "after 12 steps")
+
+
+def test_step_hook_details_match_the_reference():
+    """torch's step wrapper around the reference's base_optimizer.step(), against ours: a global
+    pre-hook alone (steps 1-2) runs; global pre-hooks run before the optimizer's own, and the
+    arguments a pre-hook returns reach the post-hooks (steps 3-5, a meta-update at 4); a direct
+    _update_meta_components after a hooked step (the gradients were clipped in memory: the
+    coefficient is not applied again); the hooks removed (steps 6-9, a meta-update at 8); the
+    gradients' version counters move alike; a pre-hook returning something else than an
+    (args, kwargs) pair raises torch's error."""
+    (model_r, ref), (model_o, ours) = _pair("mlp", "cpu", meta_update_freq=4)
+    bases = (ref.base_optimizer, ours.base_optimizer)
+    log = {id(b): [] for b in bases}
+
+    def global_pre(opt, args, kwargs):
+        if id(opt) in log:
+            log[id(opt)].append("global_pre")
+
+    def own_pre(opt, args, kwargs):
+        log[id(opt)].append("own_pre")
+        return args, {"closure": None}
+
+    def own_post(opt, args, kwargs):
+        log[id(opt)].append(("own_post", len(args), dict(kwargs)))
+
+    handles = [register_optimizer_step_pre_hook(global_pre)]
+    batches = synthetic_batches("mlp", 10, seed=4)
+    versions = {id(b): [] for b in bases}
+    try:
+        for step, batch in enumerate(batches[:9], start=1):
+            if step == 3:
+                for base in bases:
+                    handles += [base.register_step_pre_hook(own_pre),
+                                base.register_step_post_hook(own_post)]
+            if step == 6:
+                for handle in handles:
+                    handle.remove()
+            for model, opt in ((model_r, ref), (model_o, ours)):
+                opt.zero_grad()
+                loss = loss_fn(model, batch)
+                loss.backward()
+                grad = next(model.parameters()).grad
+                before = grad._version
+                opt.step(loss.item())
+                versions[id(opt.base_optimizer)].append(grad._version - before)
+                if step == 5:
+                    opt._update_meta_components(loss.item())
+    finally:
+        for handle in handles:
+            handle.remove()
+    theirs, mine = log[id(ref.base_optimizer)], log[id(ours.base_optimizer)]
+    assert mine == theirs
+    assert theirs == ["global_pre"] * 2 + ["global_pre", "own_pre",
+                                            ("own_post", 1, {"closure": None})] * 3
+    assert versions[id(ours.base_optimizer)][:5] == versions[id(ref.base_optimizer)][:5]
+    _compare_state(ref, ours, model_r, model_o, 9)
+    _assert_controllers_close(ref, ours, "after 9 steps")
+
+    messages = []
+    for model, opt in ((model_r, ref), (model_o, ours)):
+        handle = opt.base_optimizer.register_step_pre_hook(lambda o, a, k: 5)
+        opt.zero_grad()
+        loss_fn(model, batches[9]).backward()
+        with pytest.raises(RuntimeError) as err:
+            opt.step(1.0)
+        handle.remove()
+        messages.append(str(err.value).split("must return")[1])
+    assert messages[0] == messages[1]
