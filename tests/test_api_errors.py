@@ -301,6 +301,8 @@ def _alias(key, other):
     (_alias("exp_avg", "grad"), ValueError, "must not share memory"),
     (lambda opt, p: opt.state[p].__setitem__("step", torch.ones(2)), ValueError,
      "step must be a float32"),
+    (lambda opt, p: opt.state[p].__setitem__("step", torch.ones(3, dtype=torch.float64)),
+     ValueError, "step must be a float32"),
 ])
 def test_mixed_amsgrad_groups_precheck_covers_corrupted_state(spoil, exc, match):
     """State tensors that alias each other or the gradient, or a step of two elements, in the

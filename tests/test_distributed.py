@@ -152,7 +152,15 @@ def scenario_tensor_parallel(rank):
             out[f"{name}_norm_{p}"] = (float(_full(ours)), float(_full(theirs)),
                                        float(torch.linalg.vector_norm(
                                            torch.cat([f.reshape(-1).double() for f in full]), p)),
-                                       type(ours).__name__, tuple(map(repr, ours.placements)))
+                                       type(ours).__name__, tuple(map(repr, ours.placements)),
+                                       tuple(map(repr, theirs.placements)))
+        bf16 = [g.to(torch.bfloat16) for g in grads]
+        params = [torch.nn.Parameter(torch.zeros_like(g)) for g in bf16]
+        for p, g in zip(params, bf16):
+            p.grad = g.clone()
+        out[f"{name}_bf16_dtypes"] = (titanmac_c.get_total_norm(bf16).dtype,
+                                      titanmac_c.clip_grad_norm_(params, 1.0).dtype,
+                                      torch.nn.utils.get_total_norm(bf16).dtype)
         for impl in ("ours", "torch"):
             params = [torch.nn.Parameter(t) for t in _tp_tensors(mesh, placements, 2)]
             opt = (titanmac_c.AdamW if impl == "ours" else torch.optim.AdamW)(
@@ -286,6 +294,85 @@ def scenario_sequence_parallel(rank):
     return out
 
 
+def scenario_details(rank):
+    """Cases beside the main runs, each against torch: a DTensor parameter without a gradient in
+    a clip, a norm given to the folded clip, error_if_nonfinite with a NaN on one rank, a
+    transposed local gradient, the parameters' version counters, a plain parameter with a
+    DTensor gradient, and the folded clip's names with a parameter without a gradient."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    mesh = _mesh("cpu")
+    out = {}
+
+    def pair(seed):
+        models = [_sharded_model(seed) for _ in range(2)]
+        for model in models:
+            torch.manual_seed(20 + rank)
+            model(torch.randn(3, 8)).pow(2).sum().backward()
+            model[3].bias.grad = None  # no gradient: skipped by both clips
+        return models
+
+    ours, theirs = pair(1)
+    out["no_grad_norms"] = (float(_full(titanmac_c.clip_grad_norm_(ours.parameters(), 0.1))),
+                            float(_full(torch.nn.utils.clip_grad_norm_(theirs.parameters(), 0.1))))
+    out["no_grad_grads"] = [(_full(a.grad), _full(b.grad)) for a, b in
+                            zip(ours.parameters(), theirs.parameters()) if a.grad is not None]
+
+    # a given norm (not the true one) is what the folded clip uses and returns
+    ours, theirs = pair(2)
+    opt = titanmac_c.AdamW(ours.parameters(), lr=1e-2)
+    opt_t = torch.optim.AdamW(theirs.parameters(), lr=1e-2)
+    given = DTensor.from_local(torch.tensor(123.0), mesh, [Replicate()], run_check=False)
+    returned = opt.clip_grad_norm_(1.0, total_norm=given)
+    torch.nn.utils.clip_grads_with_norm_(theirs.parameters(), 1.0, given)
+    opt.step()
+    opt_t.step()
+    out["given_norm"] = (float(_full(returned)),
+                         [(_full(a), _full(b)) for a, b in zip(ours.parameters(),
+                                                                theirs.parameters())])
+
+    # error_if_nonfinite with a NaN only on rank 1: every rank raises, nothing scaled
+    ours, _ = pair(3)
+    if rank == 1:
+        ours[0].weight.grad.to_local()[0, 0] = math.nan
+    before = [_full(p.grad) for p in ours.parameters() if p.grad is not None]
+    out["nonfinite"] = _raises(lambda: titanmac_c.clip_grad_norm_(ours.parameters(), 0.1,
+                                                                  error_if_nonfinite=True))
+    out["nonfinite_unchanged"] = all(
+        torch.allclose(a, _full(p.grad), rtol=0, atol=0, equal_nan=True)
+        for a, p in zip(before, [p for p in ours.parameters() if p.grad is not None]))
+
+    # a transposed local gradient, and the parameter's version counter, against torch
+    results = []
+    for cls in (titanmac_c.AdamW, torch.optim.AdamW):
+        torch.manual_seed(6)
+        w = torch.nn.Parameter(distribute_tensor(torch.randn(4, 6), mesh, [Shard(0)]))
+        opt = cls([w], lr=1e-2, weight_decay=0.1)
+        versions = []
+        for step in range(3):
+            torch.manual_seed(40 + 10 * step + rank)
+            local = torch.randn(6, 2).t()  # (2, 6), column-major
+            w.grad = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
+            before = w._version
+            opt.step()
+            versions.append(w._version > before)
+        results.append((_full(w), _full(opt.state[w]["exp_avg_sq"]), versions))
+    out["transposed"] = results
+
+    plain = torch.nn.Parameter(torch.randn(4))
+    plain.grad = distribute_tensor(torch.randn(4), mesh, [Shard(0)])
+    out["plain_with_dtensor_grad"] = _raises(titanmac_c.AdamW([plain], lr=0.1).step)
+
+    model = _sharded_model(4)
+    model(torch.randn(2, 8)).sum().backward()
+    model[0].weight.grad = None
+    extra = torch.nn.Parameter(torch.randn(3))
+    extra.grad = torch.randn(3)
+    opt = titanmac_c.AdamW([{"params": list(model.parameters())}, {"params": [extra]}], lr=0.1)
+    out["folded_names"] = _raises(lambda: opt.clip_grad_norm_(1.0))
+    return out
+
+
 def scenario_checkpoint(rank):
     """torch.distributed.checkpoint's optimizer state dict of an FSDP2 model (sharded), loaded
     into a fresh model and optimizer: the continued run equals the uninterrupted one."""
@@ -397,7 +484,8 @@ def scenario_cuda(rank):
 
 
 SCENARIOS = [scenario_fsdp2, scenario_tensor_parallel, scenario_sequence_parallel,
-             scenario_refused, scenario_checkpoint, scenario_ddp_deep_nested, scenario_zero]
+             scenario_details, scenario_refused, scenario_checkpoint, scenario_ddp_deep_nested,
+             scenario_zero]
 
 
 def _rank_main(rank, world, backend, scenarios, init_file, out_dir):
@@ -477,11 +565,15 @@ def test_fsdp2_adamw_and_clip_match_torch(ranks, amsgrad):
 @pytest.mark.parametrize("norm_type", [1.0, 2.0, 3.0, float("inf")])
 def test_norms_of_dtensors_sharded_and_replicated(ranks, mesh, norm_type):
     for rank in range(WORLD):
-        ours, theirs, exact, kind, placements = _result(
-            ranks, "scenario_tensor_parallel", rank)[f"{mesh}_norm_{norm_type}"]
+        res = _result(ranks, "scenario_tensor_parallel", rank)
+        ours, theirs, exact, kind, placements, their_placements = res[f"{mesh}_norm_{norm_type}"]
         assert ours == pytest.approx(exact, rel=1e-6)
         assert ours == pytest.approx(theirs, rel=1e-5)
-        assert kind == "DTensor" and set(placements) == {"Replicate()"}
+        assert kind == "DTensor"
+        # torch's is the same value, reduced or not yet (its infinity norm: Partial(max))
+        assert placements == ("Replicate()",) * (1 if mesh == "1d" else 2)
+        assert set(their_placements) <= {"Replicate()", "Partial(max)"}
+        assert res[f"{mesh}_bf16_dtypes"] == (torch.bfloat16,) * 3
 
 
 @pytest.mark.parametrize("mesh", ["1d", "2d"])
@@ -522,6 +614,35 @@ def test_folded_clip_returns_a_given_dtensor_norm_as_a_dtensor_and_names_paramet
     assert res["folded_mixed"] == (
         "ValueError", "param_groups[1]['params'][0]: a plain tensor among DTensors "
         "(param_groups[0]['params'][0] is one): the norm over ranks needs all of them as "
+        "DTensors (as torch's does)")
+
+
+def test_details_against_torch(ranks):
+    for rank in range(WORLD):
+        res = _result(ranks, "scenario_details", rank)
+        ours, theirs = res["no_grad_norms"]
+        assert ours == pytest.approx(theirs, rel=1e-6)
+        assert len(res["no_grad_grads"]) == 5
+        for a, b in res["no_grad_grads"]:
+            torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-7)
+        returned, params = res["given_norm"]
+        assert returned == 123.0
+        for a, b in params:
+            torch.testing.assert_close(a, b, **CLOSE)
+        assert res["nonfinite"][0] == "RuntimeError"
+        assert "is non-finite, so it cannot be clipped" in res["nonfinite"][1]
+        assert res["nonfinite_unchanged"]
+        (w, v, versions), (w_t, v_t, versions_t) = res["transposed"]
+        torch.testing.assert_close(w, w_t, **CLOSE)
+        torch.testing.assert_close(v, v_t, **CLOSE)
+        assert versions == versions_t == [True] * 3
+    kind, message = res["plain_with_dtensor_grad"]
+    assert kind == "ValueError"
+    assert message.startswith("param_groups[0]['params'][0]: its gradient is a DTensor "
+                              "(Shard(dim=0)), the parameter a plain tensor")
+    assert res["folded_names"] == (
+        "ValueError", "param_groups[1]['params'][0]: a plain tensor among DTensors "
+        "(param_groups[0]['params'][1] is one): the norm over ranks needs all of them as "
         "DTensors (as torch's does)")
 
 

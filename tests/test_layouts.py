@@ -206,6 +206,16 @@ def test_norm_functions_take_any_layout_like_torch(device, norm_type, strided):
         torch.testing.assert_close(po.grad, pr.grad, rtol=2e-6, atol=1e-7)
 
 
+def test_group_norms_read_strided_tensors():
+    """group_norms only reads: a strided slice and an expanded tensor go through a copy."""
+    base = torch.randn(6, 8)
+    tensors = [base[:, ::2], torch.randn(1).expand(5), base]
+    out = titanmac_c.group_norms(tensors, tensors, group_of=[0, 1, 2], num_groups=3)
+    expected = torch.stack([t.norm() for t in tensors])
+    torch.testing.assert_close(out.grad, expected, rtol=1e-6, atol=0)
+    torch.testing.assert_close(out.param, expected, rtol=1e-6, atol=0)
+
+
 def test_an_expanded_gradient_is_measured_but_not_scaled_as_with_torch():
     """An expanded tensor (stride 0) has a norm over its logical elements, as torch's; scaling it
     in place is refused (torch raises as well), naming it, before any gradient is scaled."""
