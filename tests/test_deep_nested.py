@@ -507,3 +507,28 @@ def test_step_hook_details_match_the_reference():
         handle.remove()
         messages.append(str(err.value).split("must return")[1])
     assert messages[0] == messages[1]
+
+
+def test_a_post_hook_that_raises_leaves_the_step_taken_as_the_reference():
+    """A step hook raising after the update (here a post-hook's ValueError): the update stands,
+    as in the reference, whose base_optimizer.step() raised after it; the step is not undone
+    (global step, multipliers, parameters and AdamW state as the reference's)."""
+    (model_r, ref), (model_o, ours) = _pair("mlp", "cpu")
+    batches = synthetic_batches("mlp", 4, seed=6)
+
+    def failing_post(opt, args, kwargs):
+        raise ValueError("post-hook")
+
+    for step, batch in enumerate(batches, start=1):
+        handles = [opt.base_optimizer.register_step_post_hook(failing_post)
+                   for opt in (ref, ours)] if step == 3 else []
+        for model, opt in ((model_r, ref), (model_o, ours)):
+            if handles:
+                with pytest.raises(ValueError, match="post-hook"):
+                    _plain_step(model, opt, batch)
+            else:
+                _plain_step(model, opt, batch)
+        for handle in handles:
+            handle.remove()
+        assert ours.global_step == ref.global_step == step
+        _compare_state(ref, ours, model_r, model_o, step)

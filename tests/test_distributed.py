@@ -122,7 +122,7 @@ def _tp_tensors(mesh, placements, seed):
     from torch.distributed.tensor import distribute_tensor
 
     torch.manual_seed(seed)
-    shapes = [(6, 4), (3, 5), (7,), (4, 4)]
+    shapes = [(8, 4), (3, 5), (7,), (4, 4)]  # _StridedShard(0, 2) over 2 ranks: 4 | rows
     return [distribute_tensor(torch.randn(s), mesh, pl) for s, pl in zip(shapes, placements)]
 
 
@@ -130,12 +130,18 @@ def _tp_cases():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard
 
+    from torch.distributed.tensor.placement_types import _StridedShard
+
     mesh1 = init_device_mesh("cpu", (WORLD,))
     mesh2 = init_device_mesh("cpu", (1, WORLD), mesh_dim_names=("dp", "tp"))
     return {
         "1d": (mesh1, [[Shard(0)], [Shard(1)], [Replicate()], [Shard(0)]]),
         "2d": (mesh2, [[Replicate(), Shard(0)], [Shard(0), Shard(1)], [Replicate(), Replicate()],
                        [Shard(1), Replicate()]]),
+        # what FSDP2 composed with tensor parallelism places along a dimension both shard: no
+        # Shard (is_shard() is False), sharded all the same
+        "strided": (mesh1, [[_StridedShard(0, split_factor=2)], [Shard(1)], [Replicate()],
+                            [_StridedShard(0, split_factor=2)]]),
     }
 
 
@@ -363,6 +369,14 @@ def scenario_details(rank):
     plain.grad = distribute_tensor(torch.randn(4), mesh, [Shard(0)])
     out["plain_with_dtensor_grad"] = _raises(titanmac_c.AdamW([plain], lr=0.1).step)
 
+    # an expanded gradient in the second placement kind: nothing scaled in the first either
+    a = torch.nn.Parameter(distribute_tensor(torch.zeros(4), mesh, [Shard(0)]))
+    b = torch.nn.Parameter(distribute_tensor(torch.zeros(5), mesh, [Replicate()]))
+    a.grad = distribute_tensor(torch.full((4,), 3.0), mesh, [Shard(0)])
+    b.grad = DTensor.from_local(torch.ones(1).expand(5), mesh, [Replicate()], run_check=False)
+    out["expanded"] = _raises(lambda: titanmac_c.clip_grad_norm_([a, b], 0.1))
+    out["expanded_unchanged"] = torch.equal(_full(a.grad), torch.full((4,), 3.0))
+
     model = _sharded_model(4)
     model(torch.randn(2, 8)).sum().backward()
     model[0].weight.grad = None
@@ -561,7 +575,7 @@ def test_fsdp2_adamw_and_clip_match_torch(ranks, amsgrad):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("mesh", ["1d", "2d"])
+@pytest.mark.parametrize("mesh", ["1d", "2d", "strided"])
 @pytest.mark.parametrize("norm_type", [1.0, 2.0, 3.0, float("inf")])
 def test_norms_of_dtensors_sharded_and_replicated(ranks, mesh, norm_type):
     for rank in range(WORLD):
@@ -571,12 +585,12 @@ def test_norms_of_dtensors_sharded_and_replicated(ranks, mesh, norm_type):
         assert ours == pytest.approx(theirs, rel=1e-5)
         assert kind == "DTensor"
         # torch's is the same value, reduced or not yet (its infinity norm: Partial(max))
-        assert placements == ("Replicate()",) * (1 if mesh == "1d" else 2)
+        assert placements == ("Replicate()",) * (2 if mesh == "2d" else 1)
         assert set(their_placements) <= {"Replicate()", "Partial(max)"}
         assert res[f"{mesh}_bf16_dtypes"] == (torch.bfloat16,) * 3
 
 
-@pytest.mark.parametrize("mesh", ["1d", "2d"])
+@pytest.mark.parametrize("mesh", ["1d", "2d", "strided"])
 def test_tensor_parallel_adamw_and_clip_match_torch(ranks, mesh):
     for rank in range(WORLD):
         res = _result(ranks, "scenario_tensor_parallel", rank)
@@ -636,6 +650,9 @@ def test_details_against_torch(ranks):
         torch.testing.assert_close(w, w_t, **CLOSE)
         torch.testing.assert_close(v, v_t, **CLOSE)
         assert versions == versions_t == [True] * 3
+    assert res["expanded"][0] == "RuntimeError"
+    assert res["expanded"][1].startswith("parameters[1]: its gradient is an expanded tensor")
+    assert res["expanded_unchanged"]
     kind, message = res["plain_with_dtensor_grad"]
     assert kind == "ValueError"
     assert message.startswith("param_groups[0]['params'][0]: its gradient is a DTensor "

@@ -263,6 +263,7 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin):
         self._warned_no_loss = False
         self._clip_mark = None  # see _mark_clipped_gradients
         self._clipped_in_place = False  # this step clipped the gradients in memory (hooks)
+        self._updated = False  # this step's update has run
         self.meta_trainer = SimplifiedMetaTrainer(window_size=self.meta_update_freq,
                                                   improvement_threshold=IMPROVEMENT_THRESHOLD)
         self.unrolled_trainer = UnrolledMetaTrainer(k_steps=self.k_unroll,
@@ -347,11 +348,14 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin):
                 self._loss.fill_(max(-_FLOAT32_MAX, min(loss, _FLOAT32_MAX)))
             update = t % self.controller_update_freq == 0 or t == 1
             self._clipped_in_place = False
+            self._updated = False  # whether this step's update ran (a post-hook may raise after)
             try:
                 with prof.step_range(prof.STEP):
                     if self._graph is None or not self._graph.step(t, update):
                         self._eager_step(t, update, isinstance(loss, torch.Tensor))
             except (BufferError, ValueError, TypeError):
+                if self._updated:
+                    raise
                 # The C core refused a tensor before writing anything (the call sites name it):
                 # the step did not happen.
                 self.global_step = t - 1
@@ -439,8 +443,10 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin):
                                                         skip=self.skipped,
                                                         zero_grads_on_skip=True)
         except (BufferError, ValueError, TypeError):
-            self._undo_control()
+            if not self._updated:
+                self._undo_control()
             raise
+        self._updated = True
 
     def _adamw_update_with_hooks(self):
         """The update when step hooks hang on base_optimizer (its own or torch's global ones):
@@ -462,8 +468,12 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin):
         kept = [group["lr"] for group in base.param_groups]
         for group, mu in zip(base.param_groups, self._lr_multipliers.tolist()):
             group["lr"] = self.base_lr * mu
+        def update():  # by the groups' lr, as a pre-hook leaves them
+            base._fused_step()
+            self._updated = True
+
         try:
-            base._with_step_hooks(base._fused_step)  # by the groups' lr, as a hook leaves them
+            base._with_step_hooks(update)
         finally:
             for group, lr in zip(base.param_groups, kept):
                 group["lr"] = lr

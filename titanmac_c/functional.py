@@ -119,17 +119,23 @@ def _scale_grads(device, positions, grads, coef, *written):
         strided = [i for i, g in enumerate(grads) if is_strided_only(g)]
         if not strided:
             raise
-        for i in strided:  # torch's own refusal, before anything is written
-            if any(st == 0 and n > 1 for st, n in zip(grads[i].stride(), grads[i].shape)):
-                raise RuntimeError(f"parameters[{positions[i]}]: its gradient is an expanded "
-                                   "tensor (several elements on one memory location) and "
-                                   "cannot be scaled in place, as with torch") from None
+        _refuse_expanded([positions[i] for i in strided], [grads[i] for i in strided])
         dense = [i for i in range(len(grads)) if i not in strided]
         _call_named("parameters", [positions[i] for i in dense],
                     lambda ts: _C.scale_(ts, coef, **kwargs), [grads[i] for i in dense])
         for i in strided:  # in float32, one rounding, as the C core scales
             grads[i].copy_(grads[i].float() * coef[0])
     mark_written(grads, *written)
+
+
+def _refuse_expanded(positions, grads):
+    """torch's own refusal of an in-place scale, by name: a gradient with several elements on one
+    memory location (an expanded tensor)."""
+    for i, g in zip(positions, grads):
+        if any(st == 0 and n > 1 for st, n in zip(g.stride(), g.shape)):
+            raise RuntimeError(f"parameters[{i}]: its gradient is an expanded tensor (several "
+                               "elements on one memory location) and cannot be scaled in "
+                               "place, as with torch") from None
 
 
 def _result_dtype(tensors):
@@ -202,6 +208,9 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
     total = _combine_totals([b[1] for b in buffers], devices, norm_type)
     if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
         raise RuntimeError(_NONFINITE_MESSAGE.format(norm_type))
+    if not single:  # one C call per device: what one would refuse, refused before any
+        for positions, device_grads in by_device.values():
+            _refuse_expanded(positions, device_grads)
     with prof.step_range(prof.CLIP):
         for (device, (positions, device_grads)), buf in zip(by_device.items(), buffers):
             coef = buf[2:3]
@@ -223,9 +232,10 @@ def _clip_sharded(sharded, max_norm, norm_type, error_if_nonfinite, dtype):
     device = total.device
     coef = torch.empty(1, dtype=torch.float32, device=device)
     _C.clip_coef(total.reshape(1), max_norm, coef, stream=exec_kwargs(device).get("stream"))
-    with prof.step_range(prof.CLIP):
-        for positions, _, wrappers in sharded.parts.values():
-            _scale_grads(device, positions, [local_of(w) for w in wrappers], coef, wrappers)
+    wrappers = [w for _, _, part in sharded.parts.values() for w in part]
+    positions = [i for part, _, _ in sharded.parts.values() for i in part]
+    with prof.step_range(prof.CLIP):  # one call: a refused gradient stops all before any write
+        _scale_grads(device, positions, [local_of(w) for w in wrappers], coef, wrappers)
     return sharded.replicated(total if dtype == torch.float32 else total.to(dtype))
 
 

@@ -115,6 +115,7 @@ class AdamW(Optimizer):
         self._lr_cache = {}  # device -> (host lr values, float32 tensor on device)
         self._clip_coef = {}  # device -> float32 [1] coefficient for the next step()
         self._plan = None  # _flat.Plan of the last full step, when it can be reused
+        self._beta_values = {}  # id of a tensor beta -> (it, its _version, its float)
 
     def __setstate__(self, state):
         super().__setstate__(state)
@@ -201,12 +202,7 @@ class AdamW(Optimizer):
             for p in group["params"]:
                 state = self.state.get(p)
                 if state and "step" in state:
-                    step = state["step"]
-                    if (copy or not isinstance(step, Tensor) or step.dtype != torch.float32
-                            or step.device != p.device):
-                        state["step"] = torch.as_tensor(
-                            float(step), dtype=torch.float32, device=p.device
-                        )
+                    self._step_count(state, p.device, copy)
 
     # ------------------------------------------------------------------ stepping
 
@@ -243,7 +239,8 @@ class AdamW(Optimizer):
                 raise ValueError("clip_grad_norm_: parameters on several devices; use "
                                  "titanmac_c.clip_grad_norm_ instead")
         sharded = None
-        if total_norm is None and any_dtensor(grads):
+        # a cached plan holds no DTensor (their batches get none): no check needed then
+        if total_norm is None and dtype is None and any_dtensor(grads):
             names = [f"param_groups[{gi}]['params'][{pi}]"
                      for gi, group in enumerate(self.param_groups)
                      for pi, p in enumerate(group["params"]) if p.grad is not None]
@@ -438,8 +435,17 @@ class AdamW(Optimizer):
             batch.permute_dense()
         return list(batches.values()), new_state, groups, lrs
 
-    @staticmethod
-    def _group_hparams(gi, group):
+    def _beta_value(self, beta):
+        """A beta's float. A tensor's is read once per version (an in-place change bumps it): a
+        tensor on the GPU costs a sync only when a schedule changed it."""
+        if not isinstance(beta, Tensor):
+            return beta
+        cached = self._beta_values.get(id(beta))
+        if cached is None or cached[0] is not beta or cached[1] != beta._version:
+            cached = self._beta_values[id(beta)] = (beta, beta._version, _scalar("betas", beta))
+        return cached[2]
+
+    def _group_hparams(self, gi, group):
         """(beta1, beta2, eps, weight_decay, maximize), validated on the host before any write:
         a scheduler or a user may have changed them since construction."""
         where = f"param_groups[{gi}]"
@@ -448,7 +454,7 @@ class AdamW(Optimizer):
             lr = float(lr)
             if not (math.isfinite(lr) and lr >= 0.0):
                 raise ValueError(f"{where}['lr'] = {lr}: must be finite and >= 0")
-        beta1, beta2 = (_scalar("betas", b) for b in group["betas"])
+        beta1, beta2 = map(self._beta_value, group["betas"])
         return (
             float_in_range(f"{where}['betas'][0]", beta1, 0.0, 1.0),
             float_in_range(f"{where}['betas'][1]", beta2, 0.0, 1.0),
@@ -459,13 +465,13 @@ class AdamW(Optimizer):
         )
 
     @staticmethod
-    def _step_count(state, device):
-        """state["step"] as the C core takes it, a float32 tensor on the parameter's device: code
-        that writes optimizer.state itself may leave another (ZeroRedundancyOptimizer's
-        load_state_dict moves 0-d state tensors to the CPU, as torch's AdamW keeps them). One
-        of several elements is left for the C core to name."""
+    def _step_count(state, device, copy=False):
+        """state["step"] as the C core takes it, a float32 tensor on the parameter's device (with
+        copy, a fresh one): code that writes optimizer.state itself may leave another
+        (ZeroRedundancyOptimizer's load_state_dict moves 0-d state tensors to the CPU, as
+        torch's AdamW keeps them). One of several elements is left for the C core to name."""
         step = state["step"]
-        if isinstance(step, Tensor) and (
+        if not copy and isinstance(step, Tensor) and (
                 step.dtype == torch.float32 and step.device == device or step.numel() != 1):
             return step
         state["step"] = torch.as_tensor(float(step), dtype=torch.float32, device=device)
