@@ -130,7 +130,10 @@ def _tp_cases():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard
 
-    from torch.distributed.tensor.placement_types import _StridedShard
+    try:
+        from torch.distributed.tensor.placement_types import _StridedShard
+    except ImportError:  # not in this torch: the case is reported as skipped
+        _StridedShard = None
 
     mesh1 = init_device_mesh("cpu", (WORLD,))
     mesh2 = init_device_mesh("cpu", (1, WORLD), mesh_dim_names=("dp", "tp"))
@@ -140,8 +143,9 @@ def _tp_cases():
                        [Shard(1), Replicate()]]),
         # what FSDP2 composed with tensor parallelism places along a dimension both shard: no
         # Shard (is_shard() is False), sharded all the same
-        "strided": (mesh1, [[_StridedShard(0, split_factor=2)], [Shard(1)], [Replicate()],
-                            [_StridedShard(0, split_factor=2)]]),
+        "strided": (mesh1, None if _StridedShard is None else [
+            [_StridedShard(0, split_factor=2)], [Shard(1)], [Replicate()],
+            [_StridedShard(0, split_factor=2)]]),
     }
 
 
@@ -150,7 +154,13 @@ def scenario_tensor_parallel(rank):
     of 1-D and 2-D meshes, and AdamW steps of such parameters, against torch's."""
     out = {}
     for name, (mesh, placements) in _tp_cases().items():
-        grads = _tp_tensors(mesh, placements, 1)
+        try:
+            grads = _tp_tensors(mesh, placements, 1)
+        except Exception as exc:  # a torch whose distribute_tensor lacks _StridedShard
+            if name != "strided":
+                raise
+            out["strided_unsupported"] = f"{type(exc).__name__}: {exc}"
+            continue
         full = [_full(g) for g in grads]
         for p in (1.0, 2.0, 3.0, float("inf")):
             ours = titanmac_c.get_total_norm(grads, p)
@@ -549,6 +559,14 @@ def _result(ranks, scenario, rank=0):
     return result
 
 
+def _tp_result(ranks, rank, mesh):
+    res = _result(ranks, "scenario_tensor_parallel", rank)
+    if mesh == "strided" and "strided_unsupported" in res:
+        pytest.skip(f"torch {torch.__version__} does not distribute a _StridedShard: "
+                    f"{res['strided_unsupported']}")
+    return res
+
+
 # ------------------------------------------------------------------ tests
 
 
@@ -579,7 +597,7 @@ def test_fsdp2_adamw_and_clip_match_torch(ranks, amsgrad):
 @pytest.mark.parametrize("norm_type", [1.0, 2.0, 3.0, float("inf")])
 def test_norms_of_dtensors_sharded_and_replicated(ranks, mesh, norm_type):
     for rank in range(WORLD):
-        res = _result(ranks, "scenario_tensor_parallel", rank)
+        res = _tp_result(ranks, rank, mesh)
         ours, theirs, exact, kind, placements, their_placements = res[f"{mesh}_norm_{norm_type}"]
         assert ours == pytest.approx(exact, rel=1e-6)
         assert ours == pytest.approx(theirs, rel=1e-5)
@@ -593,7 +611,7 @@ def test_norms_of_dtensors_sharded_and_replicated(ranks, mesh, norm_type):
 @pytest.mark.parametrize("mesh", ["1d", "2d", "strided"])
 def test_tensor_parallel_adamw_and_clip_match_torch(ranks, mesh):
     for rank in range(WORLD):
-        res = _result(ranks, "scenario_tensor_parallel", rank)
+        res = _tp_result(ranks, rank, mesh)
         ours, theirs = res[f"{mesh}_adamw_ours"], res[f"{mesh}_adamw_torch"]
         assert ours["norms"] == pytest.approx(theirs["norms"], rel=1e-5)
         for key in ("params", "state"):
