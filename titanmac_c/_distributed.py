@@ -75,7 +75,7 @@ def replicated(mesh, value):
 class ShardedNorms:
     """The tensors of a norm (all DTensors on one device mesh) split by the mesh dimensions they
     are sharded on: parts[dims] = (positions in the caller's list, the local shards the norm
-    reads, the DTensors as given). A Partial tensor is read summed over the ranks (reduced); its
+    reads); positions and tensors: all of them, as given. A Partial tensor is read summed over the ranks (reduced); its
     own shards, which a clip scales, stay partial (scaling commutes with the sum). names: the
     user's name of each position (default "<label>[<position>]")."""
 
@@ -83,6 +83,7 @@ class ShardedNorms:
         cls = dtensor_type()
         self._names = names
         self._label = label
+        self.positions, self.tensors = list(positions), list(tensors)
         j, first = next((j, t) for j, t in zip(positions, tensors) if isinstance(t, cls))
         self.mesh = first.device_mesh
         self.parts = {}
@@ -95,10 +96,9 @@ class ShardedNorms:
                 raise ValueError(f"{self._name(i)}: on another device mesh than "
                                  f"{self._name(j)}: one norm reduces over one mesh")
             read = reduced(t)
-            part = self.parts.setdefault(sharded_dims(read), ([], [], []))
+            part = self.parts.setdefault(sharded_dims(read), ([], []))
             part[0].append(i)
             part[1].append(local_of(read))
-            part[2].append(t)
 
     def _name(self, i):
         return self._names[i] if self._names is not None else f"{self._label}[{i}]"
@@ -110,7 +110,7 @@ class ShardedNorms:
         so that summing many ranks loses nothing."""
         inf = math.isinf(norm_type)
         total = None
-        for dims, (positions, tensors, _) in self.parts.items():
+        for dims, (positions, tensors) in self.parts.items():
             value = local_norm(positions, tensors).double()
             if inf and dims:
                 # a MAX may drop a NaN (gloo's does): it travels as a flag beside the value

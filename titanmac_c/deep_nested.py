@@ -461,13 +461,14 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin):
             base._fused_step(lr=self._lr, skip=self.skipped, zero_grads_on_skip=True)
             return
         if self.max_grad_norm > 0:
-            grads = self._gather(with_params=True)[0]
+            grads = self._gather(with_params=False)[0]
             call_dense(lambda ts: _C.scale_(ts, self._coef, **exec_kwargs(self.device)), grads)
             mark_written(grads)
             self._clipped_in_place = True
         kept = [group["lr"] for group in base.param_groups]
         for group, mu in zip(base.param_groups, self._lr_multipliers.tolist()):
             group["lr"] = self.base_lr * mu
+
         def update():  # by the groups' lr, as a pre-hook leaves them
             base._fused_step()
             self._updated = True

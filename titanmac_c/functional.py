@@ -44,6 +44,12 @@ _NONFINITE_MESSAGE = (
 )
 
 
+def _raise_if_nonfinite(total, norm_type):
+    """error_if_nonfinite's check (a host read of the norm), with torch's message."""
+    if torch.logical_or(total.isnan(), total.isinf()):
+        raise RuntimeError(_NONFINITE_MESSAGE.format(norm_type))
+
+
 def _check_norm_type(norm_type) -> float:
     norm_type = float(norm_type)
     if not (norm_type > 0.0):
@@ -174,8 +180,8 @@ def get_total_norm(tensors, norm_type=2.0, error_if_nonfinite=False, foreach=Non
     dtype = _result_dtype(tensors)
     if dtype != torch.float32:
         total = total.to(dtype)
-    if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
-        raise RuntimeError(_NONFINITE_MESSAGE.format(norm_type))
+    if error_if_nonfinite:
+        _raise_if_nonfinite(total, norm_type)
     return total if sharded is None else sharded.replicated(total)
 
 
@@ -206,8 +212,8 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
                                     max_norm if single else None)
                    for dev, placed in by_device.items()]
     total = _combine_totals([b[1] for b in buffers], devices, norm_type)
-    if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
-        raise RuntimeError(_NONFINITE_MESSAGE.format(norm_type))
+    if error_if_nonfinite:
+        _raise_if_nonfinite(total, norm_type)
     if not single:  # one C call per device: what one would refuse, refused before any
         for positions, device_grads in by_device.values():
             _refuse_expanded(positions, device_grads)
@@ -227,15 +233,14 @@ def _clip_sharded(sharded, max_norm, norm_type, error_if_nonfinite, dtype):
     its local shards by the same coefficient."""
     with prof.step_range(prof.STATS):
         total = sharded.total(_local_norm("parameters", norm_type), norm_type)
-    if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
-        raise RuntimeError(_NONFINITE_MESSAGE.format(norm_type))
+    if error_if_nonfinite:
+        _raise_if_nonfinite(total, norm_type)
     device = total.device
     coef = torch.empty(1, dtype=torch.float32, device=device)
     _C.clip_coef(total.reshape(1), max_norm, coef, stream=exec_kwargs(device).get("stream"))
-    wrappers = [w for _, _, part in sharded.parts.values() for w in part]
-    positions = [i for part, _, _ in sharded.parts.values() for i in part]
     with prof.step_range(prof.CLIP):  # one call: a refused gradient stops all before any write
-        _scale_grads(device, positions, [local_of(w) for w in wrappers], coef, wrappers)
+        _scale_grads(device, sharded.positions, [local_of(t) for t in sharded.tensors], coef,
+                     sharded.tensors)
     return sharded.replicated(total if dtype == torch.float32 else total.to(dtype))
 
 

@@ -220,8 +220,8 @@ class AdamW(Optimizer):
         then no pass over the gradients is made here. The gradients themselves are not
         modified. zero_grad() forgets a pending coefficient; load_state_dict() keeps it.
         """
-        from .functional import (_NONFINITE_MESSAGE, _check_max_norm, _check_norm_type,
-                                 _local_norm, _result_dtype, _sharded)
+        from .functional import (_check_max_norm, _check_norm_type, _local_norm,
+                                 _raise_if_nonfinite, _result_dtype, _sharded)
 
         max_norm = _check_max_norm(max_norm)
         norm_type = _check_norm_type(norm_type)
@@ -238,14 +238,14 @@ class AdamW(Optimizer):
             if len({g.device for g in grads}) > 1:
                 raise ValueError("clip_grad_norm_: parameters on several devices; use "
                                  "titanmac_c.clip_grad_norm_ instead")
-        sharded = None
+        sharded = mesh = None  # mesh: the result is returned replicated over it
         # a cached plan holds no DTensor (their batches get none): no check needed then
         if total_norm is None and dtype is None and any_dtensor(grads):
             names = [f"param_groups[{gi}]['params'][{pi}]"
                      for gi, group in enumerate(self.param_groups)
                      for pi, p in enumerate(group["params"]) if p.grad is not None]
             sharded = _sharded("grads", grads, names)
-        mesh = None
+            mesh = sharded.mesh
         if is_dtensor(total_norm):  # returned as it came, a replicated DTensor
             mesh, total_norm = total_norm.device_mesh, total_norm.full_tensor()
         device = grads[0].device
@@ -268,8 +268,8 @@ class AdamW(Optimizer):
         else:
             total = total_norm.detach().reshape(1)
             _C.clip_coef(total, max_norm, buf[1:2], stream=kwargs.get("stream"))
-        if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
-            raise RuntimeError(_NONFINITE_MESSAGE.format(norm_type))
+        if error_if_nonfinite:
+            _raise_if_nonfinite(total, norm_type)
         self._clip_coef = {device: buf[1:2]}
         # in the gradients' dtype, as torch's clip_grad_norm_ returns it (the coefficient comes
         # from the float32 norm)
@@ -278,8 +278,6 @@ class AdamW(Optimizer):
         elif dtype is None:
             dtype = _result_dtype(grads)
         result = total[0] if dtype == torch.float32 else total[0].to(dtype)
-        if sharded is not None:
-            mesh = sharded.mesh
         return result if mesh is None else replicated(mesh, result)
 
     @torch.no_grad()
