@@ -47,6 +47,7 @@ class Batch:
         # entries a Plan could not re-read (permuted views, gradients copied into their
         # parameter's layout): no Plan
         self.no_plan = False
+        self.grad_copies = []  # (gradient, its copy in the batch) of gradients laid out anew
 
     def permute_dense(self):
         """A parameter that is dense in another order (channels_last, transposed) goes to the C

@@ -49,6 +49,58 @@ def _scalar(name, value):
     return value
 
 
+class _AmpScaling:
+    """What torch.amp.GradScaler hands step() of an optimizer with _step_supports_amp_scaling:
+    the attributes grad_scale (the loss scale the gradients still carry, None once unscale_ ran)
+    and found_inf (nonzero when a gradient was not finite), tensors on the scaler's device.
+    As torch's fused AdamW: a found_inf step changes nothing; otherwise each gradient is divided
+    by grad_scale as the update loads it and stored back so divided. Read on the device only."""
+
+    def __init__(self, grad_scale, found_inf):
+        self.inv_scale = None if grad_scale is None else self._one("grad_scale", grad_scale)
+        self.found_inf = None if found_inf is None else self._one("found_inf", found_inf)
+        self._per_device = {}
+
+    @classmethod
+    def of(cls, optimizer):
+        """The optimizer's scaling for this step, or None without a GradScaler."""
+        grad_scale = getattr(optimizer, "grad_scale", None)
+        found_inf = getattr(optimizer, "found_inf", None)
+        if grad_scale is None and found_inf is None:
+            return None
+        scaling = cls(grad_scale, found_inf)
+        if scaling.inv_scale is not None:
+            scaling.inv_scale = scaling.inv_scale.reciprocal()
+        return scaling
+
+    @staticmethod
+    def _one(name, value):
+        """value as a float32 [1] tensor (a number, as GradScaler's sum of no flags, too)."""
+        if isinstance(value, Tensor):
+            if value.numel() != 1 or value.is_complex():
+                raise ValueError(f"optimizer.{name}: expected one real value, got a tensor of "
+                                 f"shape {tuple(value.shape)} and dtype {value.dtype}")
+            return value.detach().reshape(1).to(torch.float32)
+        return torch.tensor([float(value)], dtype=torch.float32)
+
+    def inputs(self, device, clip_coef):
+        """(grad_scale, skip, store) of tm_adamw_step for the tensors on device: the inverse loss
+        scale times a pending clip coefficient, the found_inf flag, and whether to store the
+        gradients back (only when they still carry the loss scale)."""
+        cached = self._per_device.get(device)
+        if cached is None:
+            inv = skip = None
+            if self.inv_scale is not None:
+                inv = self.inv_scale.to(device, non_blocking=True)
+            if self.found_inf is not None:
+                skip = self.found_inf.to(device, non_blocking=True)
+            cached = self._per_device[device] = (inv, skip)
+        inv, skip = cached
+        if inv is None:
+            return clip_coef, skip, False
+        return (inv if clip_coef is None else inv * clip_coef), skip, True
+
+
 class AdamW(Optimizer):
     """Drop-in for torch.optim.AdamW (same arguments, defaults, state keys and state_dict).
 
@@ -58,7 +110,16 @@ class AdamW(Optimizer):
     Beyond torch: clip_grad_norm_(max_norm) computes the total gradient norm and folds the clip
     coefficient into the next step() (the gradients are scaled as the update loads them), which
     saves a pass over the gradients compared with clip_grad_norm_ followed by step().
+
+    torch.amp.GradScaler: like torch's fused AdamW, step() reads the scaler's grad_scale and
+    found_inf attributes (_step_supports_amp_scaling): a step whose gradients overflowed is
+    skipped on the device, and gradients not yet unscaled are unscaled as the update loads them
+    and stored back unscaled. scaler.step(optimizer) then never reads the flag on the host.
     """
+
+    # torch.amp.GradScaler sets grad_scale and found_inf on the optimizer and calls step()
+    # instead of reading found_inf on the host itself (see _AmpScaling)
+    _step_supports_amp_scaling = True
 
     def __init__(
         self,
@@ -287,7 +348,8 @@ class AdamW(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._fused_step()
+        amp = _AmpScaling.of(self)
+        self._fused_step(amp=amp)
         return loss
 
     def _has_step_hooks(self):
@@ -315,33 +377,39 @@ class AdamW(Optimizer):
                      *torch_optimizer._global_optimizer_post_hooks.values()):
             hook(self, args, kwargs)
 
-    def _fused_step(self, lr=None, grad_scale=None, skip=None, zero_grads_on_skip=False):
+    def _fused_step(self, lr=None, grad_scale=None, skip=None, zero_grads_on_skip=False,
+                    amp=None):
         """The step itself. lr: None (the groups' "lr" values), or a float32 tensor with one
         learning rate per param group on the parameters' device; grad_scale / skip: None or
         float32 [1] device tensors (see titanmac.h tm_adamw_step). The DeepNestedOptimizer calls
-        this with values its control step computed on the device."""
+        this with values its control step computed on the device. amp: the _AmpScaling of a
+        GradScaler's step, or None."""
         with prof.step_range(prof.UPDATE):
-            self._fused_step_impl(lr, grad_scale, skip, zero_grads_on_skip)
+            self._fused_step_impl(lr, grad_scale, skip, zero_grads_on_skip, amp)
 
-    def _fused_step_impl(self, lr, grad_scale, skip, zero_grads_on_skip):
-        if self._planned_step(lr, grad_scale, skip, zero_grads_on_skip):
+    def _fused_step_impl(self, lr, grad_scale, skip, zero_grads_on_skip, amp):
+        args = (lr, grad_scale, skip, zero_grads_on_skip, amp)
+        if self._planned_step(*args):
             return
         batches, new_state, groups, lrs = self._collect()
         if len(batches) > 1:
             for batch in batches:
                 batch.precheck()
         for batch in batches:
-            self._run_batch(batch, groups, lrs, lr, grad_scale, skip, zero_grads_on_skip)
+            self._run_batch(batch, groups, lrs, *args)
         self.state.update(new_state)
         self._clip_coef = {}
         n_params = sum(len(g["params"]) for g in self.param_groups)
         if len(batches) == 1 and len(batches[0].params) == n_params and not batches[0].no_plan:
             self._plan = Plan(self, batches[0])
 
-    def _run_batch(self, batch, groups, lrs, lr, grad_scale, skip, zero_grads_on_skip):
+    def _run_batch(self, batch, groups, lrs, lr, grad_scale, skip, zero_grads_on_skip, amp):
         batch_lr = lr if lr is not None else self._lr_tensor(batch.device, lrs)
         scale = grad_scale if grad_scale is not None else self._clip_coef.get(batch.device)
-        self._run(batch, groups, batch_lr, scale, skip, zero_grads_on_skip)
+        store = False
+        if amp is not None:
+            scale, skip, store = amp.inputs(batch.device, scale)
+        self._run(batch, groups, batch_lr, scale, skip, zero_grads_on_skip, store)
 
     def _planned_grads(self):
         """Every parameter's gradient (one device) through the cached plan, or None."""
@@ -355,7 +423,7 @@ class AdamW(Optimizer):
         grads = plan.grads() if plan is not None and plan.matches(self) else None
         return None if grads is None else (grads, plan.batch.params, plan.batch.group_of)
 
-    def _planned_step(self, lr, grad_scale, skip, zero_grads_on_skip):
+    def _planned_step(self, lr, grad_scale, skip, zero_grads_on_skip, amp):
         """The step through the cached plan; False (nothing written) when there is none, it no
         longer matches, a gradient is missing or the C core refused the call (the full path then
         runs and names the problem)."""
@@ -367,7 +435,7 @@ class AdamW(Optimizer):
             batch = plan.refresh(grads)
             groups = [self._group_hparams(gi, g) for gi, g in enumerate(self.param_groups)]
             lrs = [g["lr"] for g in self.param_groups]
-            self._run_batch(batch, groups, lrs, lr, grad_scale, skip, zero_grads_on_skip)
+            self._run_batch(batch, groups, lrs, lr, grad_scale, skip, zero_grads_on_skip, amp)
         except (ValueError, TypeError, BufferError, RuntimeError, KeyError):
             return False  # validated before any write: the full path repeats it with names
         self._clip_coef = {}
@@ -408,7 +476,10 @@ class AdamW(Optimizer):
                     batch.wrappers.append(p)
                     batch.no_plan = True
                     p, grad, tensors = localize(name, p, grad, state, _STATE_KEYS)
-                    grad = in_layout_of(grad, p)  # a local gradient in another layout: a copy
+                    laid_out = in_layout_of(grad, p)  # a local gradient in another layout: a copy
+                    if laid_out is not grad:
+                        batch.grad_copies.append((grad, laid_out))
+                    grad = laid_out
                 else:
                     if dtensor is not None:
                         refuse_plain_with_dtensor(name, p, grad, state, _STATE_KEYS)
@@ -418,7 +489,9 @@ class AdamW(Optimizer):
                         if k in state:
                             state[k] = in_layout_of(state[k], p)
                     laid_out = in_layout_of(grad, p)
-                    batch.no_plan |= laid_out is not grad
+                    if laid_out is not grad:
+                        batch.no_plan = True
+                        batch.grad_copies.append((grad, laid_out))
                     grad, tensors = laid_out, state
                 batch.group_of.append(gi)
                 batch.params.append(p)
@@ -509,7 +582,7 @@ class AdamW(Optimizer):
         self._lr_cache[device] = (values, tensor)
         return tensor
 
-    def _run(self, batch, groups, lr, grad_scale, skip, zero_grads_on_skip):
+    def _run(self, batch, groups, lr, grad_scale, skip, zero_grads_on_skip, store_grads):
         device = batch.device
         kwargs = exec_kwargs(device)
         lists = (batch.params, batch.grads, batch.exp_avgs, batch.exp_avg_sqs,
@@ -525,10 +598,17 @@ class AdamW(Optimizer):
         try:
             _C.adamw_step(*lists, lr, groups, batch.group_of, amsgrad=batch.amsgrad,
                           grad_scale=grad_scale, skip=skip, scratch=scratch,
-                          zero_grads_on_skip=zero_grads_on_skip, **kwargs)
+                          zero_grads_on_skip=zero_grads_on_skip, store_scaled_grads=store_grads,
+                          **kwargs)
         except (ValueError, TypeError, BufferError) as exc:
             group_names = [f"param_groups[{i}]" for i in range(len(groups))]
             reraise_with_names(exc, batch.names, group_names)
-        # the tensors autograd may hold: parameters, and gradients when a skip may zero them
-        # (the state's versions are left alone: no graph saves optimizer state)
-        mark_written(batch.params, batch.wrappers, batch.grads if zero_grads_on_skip else ())
+        if store_grads:
+            # a gradient taken as a copy in its parameter's layout: the copy holds what the C
+            # core stored (unscaled, or the scaled values of a skipped step)
+            for grad, copy in batch.grad_copies:
+                grad.copy_(copy)
+        # the tensors autograd may hold: parameters, and gradients the call may write (the
+        # state's versions are left alone: no graph saves optimizer state)
+        mark_written(batch.params, batch.wrappers,
+                     batch.grads if zero_grads_on_skip or store_grads else ())

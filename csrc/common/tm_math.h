@@ -78,11 +78,18 @@ tm_max_nan(float a, float b)
     return (a > b || a != a) ? a : b;
 }
 
-/* One element. vmax is read and written only when c->amsgrad. */
+/* The gradient as the update reads it (and as store_scaled_grads writes it back). */
+TM_HOST_DEVICE float
+tm_adamw_scaled_grad(float grad, const tm_adamw_coeffs *c)
+{
+    return grad * c->grad_scale;
+}
+
+/* One element; g is tm_adamw_scaled_grad of the gradient. vmax is read and written only when
+ * c->amsgrad. */
 TM_HOST_DEVICE void
 tm_adamw_elem(float *p, float *m, float *v, float *vmax, float g, const tm_adamw_coeffs *c)
 {
-    g = g * c->grad_scale;
     if (c->maximize) {
         g = -g;
     }

@@ -196,22 +196,29 @@ check_adamw_groups(const tm_adamw_args *args)
     return TM_OK;
 }
 
-/* zero_grads_on_skip writes zeros into every grad when skip is set, so grads must be writable,
- * and skip must not lie inside a grad: CUDA blocks zeroing their chunks would race with the
- * blocks still reading it. */
+/* Grads the call writes (zeros with zero_grads_on_skip, scaled values with store_scaled_grads)
+ * must be writable, and the lone inputs the blocks read must not lie inside one: CUDA blocks
+ * writing their chunks would race with the blocks still reading them. */
 static tm_status
-check_zeroable_grads(const tm_tensor_list *grads, const tm_tensor *skip)
+check_written_grads(const tm_tensor_list *grads, const tm_tensor *const *lone,
+                    const char *const *lone_names, int n_lone, const char *verb,
+                    const char *done)
 {
     for (int32_t i = 0; i < grads->count; i++) {
         const tm_tensor *g = &grads->tensors[i];
         const char *a = g->data;
-        const char *b = skip->data;
         TM_CHECK((g->flags & TM_TENSOR_READ_ONLY) == 0, TM_ERR_BUFFER,
-                 "%s[%d]: read-only, cannot be zeroed", grads->name, (int)i);
-        TM_CHECK(g->numel == 0 || !(b < a + g->numel * (int64_t)tm_dtype_size(g->dtype) &&
-                                    a < b + sizeof(float)),
-                 TM_ERR_VALUE, "skip: shares memory with %s[%d], which it may zero",
-                 grads->name, (int)i);
+                 "%s[%d]: read-only, cannot be %s", grads->name, (int)i, done);
+        for (int k = 0; k < n_lone; k++) {
+            const char *b = lone[k]->data;
+            if (!tm_tensor_given(lone[k]) || g->numel == 0) {
+                continue;
+            }
+            TM_CHECK(!(b < a + g->numel * (int64_t)tm_dtype_size(g->dtype) &&
+                       a < b + lone[k]->numel * (int64_t)tm_dtype_size(lone[k]->dtype)),
+                     TM_ERR_VALUE, "%s: shares memory with %s[%d], which it may %s",
+                     lone_names[k], grads->name, (int)i, verb);
+        }
     }
     return TM_OK;
 }
@@ -238,8 +245,16 @@ tm_validate_adamw(const tm_adamw_tensors *t, const tm_adamw_args *args, const tm
     TM_TRY(tm_roles_structure(roles, ADAMW_ROLES));
     TM_TRY(check_adamw_counts(roles, args));
     TM_TRY(tm_roles_check(roles, ADAMW_ROLES, ref));
-    if (args->zero_grads_on_skip && tm_tensor_given(&in->skip)) {
-        TM_TRY(check_zeroable_grads(&roles[ADAMW_GRADS].list, &in->skip));
+    if (args->store_scaled_grads) {
+        const tm_tensor *const lone[] = {&in->lr, &in->grad_scale, &in->skip};
+        static const char *const names[] = {"lr", "grad_scale", "skip"};
+        TM_TRY(check_written_grads(&roles[ADAMW_GRADS].list, lone, names, 3, "write",
+                                   "written"));
+    } else if (args->zero_grads_on_skip && tm_tensor_given(&in->skip)) {
+        const tm_tensor *const lone[] = {&in->skip};
+        static const char *const names[] = {"skip"};
+        TM_TRY(check_written_grads(&roles[ADAMW_GRADS].list, lone, names, 1, "zero",
+                                   "zeroed"));
     }
     TM_TRY(check_steps(&roles[ADAMW_STEP].list));
     TM_TRY(check_adamw_groups(args));

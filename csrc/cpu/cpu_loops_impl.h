@@ -78,8 +78,9 @@ store_elem(void *x, int64_t i, float value, tm_dtype dt)
 /* ---------------------------------------------------------------- AdamW ---- */
 
 CPU_INLINE void
-adamw_loop(void *restrict p, const void *restrict g, void *restrict m, void *restrict v,
-           void *restrict vmax, int64_t n, tm_adamw_coeffs c, tm_dtype dt, int32_t amsgrad)
+adamw_loop(void *restrict p, void *restrict g, void *restrict m, void *restrict v,
+           void *restrict vmax, int64_t n, tm_adamw_coeffs c, tm_dtype dt, int32_t amsgrad,
+           int32_t store_grad)
 {
     c.amsgrad = amsgrad; /* a constant here, so the amsgrad branch of tm_adamw_elem folds away */
     TM_SIMD
@@ -88,12 +89,36 @@ adamw_loop(void *restrict p, const void *restrict g, void *restrict m, void *res
         float mv = load_elem(m, i, dt);
         float vv = load_elem(v, i, dt);
         float xv = amsgrad ? load_elem(vmax, i, dt) : 0.0f;
-        tm_adamw_elem(&pv, &mv, &vv, &xv, load_elem(g, i, dt), &c);
+        const float gv = tm_adamw_scaled_grad(load_elem(g, i, dt), &c);
+        tm_adamw_elem(&pv, &mv, &vv, &xv, gv, &c);
         store_elem(p, i, pv, dt);
         store_elem(m, i, mv, dt);
         store_elem(v, i, vv, dt);
         if (amsgrad) {
             store_elem(vmax, i, xv, dt);
+        }
+        if (store_grad) {
+            store_elem(g, i, gv, dt);
+        }
+    }
+}
+
+/* amsgrad and store_grad as constants: each of the four loops has no test inside. */
+CPU_INLINE void
+adamw_variant(void *p, void *g, void *m, void *v, void *vmax, int64_t n, tm_adamw_coeffs k,
+              tm_dtype dt, int32_t store_grad)
+{
+    if (k.amsgrad) {
+        if (store_grad) {
+            adamw_loop(p, g, m, v, vmax, n, k, dt, 1, 1);
+        } else {
+            adamw_loop(p, g, m, v, vmax, n, k, dt, 1, 0);
+        }
+    } else {
+        if (store_grad) {
+            adamw_loop(p, g, m, v, vmax, n, k, dt, 0, 1);
+        } else {
+            adamw_loop(p, g, m, v, vmax, n, k, dt, 0, 0);
         }
     }
 }
@@ -102,30 +127,22 @@ adamw_loop(void *restrict p, const void *restrict g, void *restrict m, void *res
  * speculate (-ftrapping-math), so a test left in the loop is a branch that stops vectorization.
  * Testing the same condition around the loop lets the compiler fold the one inside. */
 CPU_INLINE void
-adamw_dispatch(void *p, const void *g, void *m, void *v, void *vmax, int64_t n,
-               const tm_adamw_coeffs *c, tm_dtype dt)
+adamw_dispatch(void *p, void *g, void *m, void *v, void *vmax, int64_t n,
+               const tm_adamw_coeffs *c, tm_dtype dt, int32_t store_grad)
 {
     tm_adamw_coeffs k = *c;
     if (k.one_minus_beta1 < 0.5f) {
-        if (k.amsgrad) {
-            adamw_loop(p, g, m, v, vmax, n, k, dt, 1);
-        } else {
-            adamw_loop(p, g, m, v, vmax, n, k, dt, 0);
-        }
+        adamw_variant(p, g, m, v, vmax, n, k, dt, store_grad);
     } else {
-        if (k.amsgrad) {
-            adamw_loop(p, g, m, v, vmax, n, k, dt, 1);
-        } else {
-            adamw_loop(p, g, m, v, vmax, n, k, dt, 0);
-        }
+        adamw_variant(p, g, m, v, vmax, n, k, dt, store_grad);
     }
 }
 
 #define CPU_DEFINE_ADAMW(DT, DTYPE)                                                                \
-    static void adamw_##DT(void *p, const void *g, void *m, void *v, void *vmax, int64_t n,        \
-                           const tm_adamw_coeffs *c)                                               \
+    static void adamw_##DT(void *p, void *g, void *m, void *v, void *vmax, int64_t n,              \
+                           const tm_adamw_coeffs *c, int32_t store_grad)                           \
     {                                                                                              \
-        adamw_dispatch(p, g, m, v, vmax, n, c, DTYPE);                                             \
+        adamw_dispatch(p, g, m, v, vmax, n, c, DTYPE, store_grad);                                 \
     }
 
 /* ---------------------------------------------------------------- scale ---- */

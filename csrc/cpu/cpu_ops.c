@@ -12,7 +12,8 @@
  * the new step in double via tm_adamw_coeffs_make, then tm_adamw_elem on every element. Steps are
  * read while the elements are updated and written after, so a thread starting in the middle of
  * a tensor sees the same step as the thread that has its first block. A nonzero skip[0] changes
- * nothing, or with zero_grads_on_skip writes 0 into every grad and nothing else.
+ * nothing, or with zero_grads_on_skip writes 0 into every grad and nothing else. With
+ * store_scaled_grads the loop also stores each scaled gradient back (torch.amp's unscale).
  */
 #include "cpu_ops.h"
 
@@ -119,7 +120,8 @@ adamw_segment(void *vctx, int32_t i, int64_t b0, int64_t b1, int64_t global_bloc
     (void)global_block;
     ctx->loops[p->dtype](cpu_elem_ptr(p, offset), cpu_elem_ptr(&t->grads.tensors[i], offset),
                          cpu_elem_ptr(&t->exp_avg.tensors[i], offset),
-                         cpu_elem_ptr(&t->exp_avg_sq.tensors[i], offset), vmax, n, &c);
+                         cpu_elem_ptr(&t->exp_avg_sq.tensors[i], offset), vmax, n, &c,
+                         args->store_scaled_grads != 0);
 }
 
 /* zero_grads_on_skip: the DNO's NaN guard zeroes the gradients instead of stepping. All-zero

@@ -4,6 +4,7 @@
  * after PyTorch's fused_adam_utils.cuh and llm.c's adamw.cuh.
  *
  *   step += 1;  g = grad * grad_scale (negated if maximize);  p *= 1 - lr * wd
+ *   with store_scaled_grads: grad = grad * grad_scale (torch.amp's unscale, as torch's fused)
  *   m = lerp(m, g, 1 - beta1);  v = beta2 * v + (1 - beta2) * g^2;  vmax = max(vmax, v)
  *   p -= lr / (1 - beta1^step) * m / (sqrt(amsgrad ? vmax : v) / sqrt(1 - beta2^step) + eps)
  *
@@ -53,6 +54,7 @@ struct adamw_args {
     const float *skip;       /* [1], NULL = never */
     unsigned int *counter;   /* scratch: finished blocks of the running launch */
     int32_t zero_grads;      /* zero_grads_on_skip */
+    int32_t store_grads;     /* store_scaled_grads */
 };
 
 /* DEPTH 4: p, g, m, v; DEPTH 5: + vmax (amsgrad). Indexed by TM_IDX_*. */
@@ -85,31 +87,36 @@ adamw_coeffs_of(const adamw_meta<DEPTH> &meta, const adamw_args &args, int32_t i
                                 g.weight_decay, (double)step, scale, g.maximize, DEPTH == 5);
 }
 
-/* One element of any dtype: widen, tm_adamw_elem, round once. x is touched only with AMS. */
-template <typename T, bool AMS>
+/* One element of any dtype: widen, tm_adamw_elem, round once. x is touched only with AMS, g is
+ * written only with STORE (the scaled gradient). */
+template <typename T, bool AMS, bool STORE>
 static __device__ __forceinline__ void
-adamw_apply(T &p, T g, T &m, T &v, T *x, const tm_adamw_coeffs &c)
+adamw_apply(T &p, T &g, T &m, T &v, T *x, const tm_adamw_coeffs &c)
 {
     float pf = to_float(p);
     float mf = to_float(m);
     float vf = to_float(v);
     float xf = AMS ? to_float(*x) : 0.0f;
-    tm_adamw_elem(&pf, &mf, &vf, &xf, to_float(g), &c);
+    const float gf = tm_adamw_scaled_grad(to_float(g), &c);
+    tm_adamw_elem(&pf, &mf, &vf, &xf, gf, &c);
     p = from_float<T>(pf);
     m = from_float<T>(mf);
     v = from_float<T>(vf);
     if constexpr (AMS) {
         *x = from_float<T>(xf);
     }
+    if constexpr (STORE) {
+        g = from_float<T>(gf);
+    }
 }
 
 /* Vector k (16 bytes of each tensor) of a chunk whose pointers are all 16-byte aligned. */
-template <typename T, bool AMS>
+template <typename T, bool AMS, bool STORE>
 static __device__ __forceinline__ void
-adamw_vec(T *p, const T *g, T *m, T *v, T *x, int32_t k, const tm_adamw_coeffs &c)
+adamw_vec(T *p, T *g, T *m, T *v, T *x, int32_t k, const tm_adamw_coeffs &c)
 {
     vec16<T> rp = reinterpret_cast<const vec16<T> *>(p)[k];
-    const vec16<T> rg = reinterpret_cast<const vec16<T> *>(g)[k];
+    vec16<T> rg = reinterpret_cast<const vec16<T> *>(g)[k];
     vec16<T> rm = reinterpret_cast<const vec16<T> *>(m)[k];
     vec16<T> rv = reinterpret_cast<const vec16<T> *>(v)[k];
     vec16<T> rx = rv; /* placeholder without amsgrad; never read then */
@@ -118,7 +125,7 @@ adamw_vec(T *p, const T *g, T *m, T *v, T *x, int32_t k, const tm_adamw_coeffs &
     }
 #pragma unroll
     for (int e = 0; e < (int)(TM_VEC_BYTES / sizeof(T)); e++) {
-        adamw_apply<T, AMS>(rp.v[e], rg.v[e], rm.v[e], rv.v[e], &rx.v[e], c);
+        adamw_apply<T, AMS, STORE>(rp.v[e], rg.v[e], rm.v[e], rv.v[e], &rx.v[e], c);
     }
     reinterpret_cast<vec16<T> *>(p)[k] = rp;
     reinterpret_cast<vec16<T> *>(m)[k] = rm;
@@ -126,10 +133,14 @@ adamw_vec(T *p, const T *g, T *m, T *v, T *x, int32_t k, const tm_adamw_coeffs &
     if constexpr (AMS) {
         reinterpret_cast<vec16<T> *>(x)[k] = rx;
     }
+    if constexpr (STORE) {
+        reinterpret_cast<vec16<T> *>(g)[k] = rg;
+    }
 }
 
-/* This thread's elements of chunk [start, start + len) of tensor i. */
-template <typename T, int DEPTH>
+/* This thread's elements of chunk [start, start + len) of tensor i; with STORE the scaled
+ * gradients are stored back. */
+template <typename T, int DEPTH, bool STORE>
 static __device__ __forceinline__ void
 adamw_chunk(const adamw_meta<DEPTH> &meta, int32_t i, int64_t start, int32_t len,
             const tm_adamw_coeffs &c)
@@ -137,7 +148,7 @@ adamw_chunk(const adamw_meta<DEPTH> &meta, int32_t i, int64_t start, int32_t len
     constexpr bool AMS = DEPTH == 5;
     constexpr int32_t VEC = TM_VEC_BYTES / sizeof(T);
     T *p = (T *)meta.ptr[TM_IDX_PARAM][i] + start;
-    const T *g = (const T *)meta.ptr[TM_IDX_GRAD][i] + start;
+    T *g = (T *)meta.ptr[TM_IDX_GRAD][i] + start; /* written only with STORE */
     T *m = (T *)meta.ptr[TM_IDX_EXP_AVG][i] + start;
     T *v = (T *)meta.ptr[TM_IDX_EXP_AVG_SQ][i] + start;
     T *x = p; /* aligned whenever p is; never accessed without amsgrad */
@@ -148,10 +159,10 @@ adamw_chunk(const adamw_meta<DEPTH> &meta, int32_t i, int64_t start, int32_t len
                          is_aligned16(v) && is_aligned16(x);
     const int32_t nvec = aligned ? len / VEC : 0;
     for (int32_t k = threadIdx.x; k < nvec; k += TM_BLOCK) {
-        adamw_vec<T, AMS>(p, g, m, v, x, k, c);
+        adamw_vec<T, AMS, STORE>(p, g, m, v, x, k, c);
     }
     for (int32_t k = nvec * VEC + threadIdx.x; k < len; k += TM_BLOCK) {
-        adamw_apply<T, AMS>(p[k], g[k], m[k], v[k], x + k, c);
+        adamw_apply<T, AMS, STORE>(p[k], g[k], m[k], v[k], x + k, c);
     }
 }
 
@@ -222,7 +233,11 @@ adamw_kernel(const __grid_constant__ adamw_meta<DEPTH> meta, const adamw_args ar
     if (has_chunk) {
         tm_adamw_coeffs c = s_coeffs;
         c.amsgrad = DEPTH == 5; /* a constant, so tm_adamw_elem's branch folds */
-        adamw_chunk<T>(meta, i, start, len, c);
+        if (args.store_grads) { /* the same in every thread: no divergence */
+            adamw_chunk<T, DEPTH, true>(meta, i, start, len, c);
+        } else {
+            adamw_chunk<T, DEPTH, false>(meta, i, start, len, c);
+        }
     }
     adamw_count_steps(meta, args.counter);
 }
@@ -350,6 +365,7 @@ cuda_adamw_step(const tm_adamw_tensors *t, const tm_adamw_args *args, const tm_a
     walk.args.skip = (const float *)in->skip.data;
     walk.args.counter = (unsigned int *)exec->scratch;
     walk.args.zero_grads = args->zero_grads_on_skip != 0;
+    walk.args.store_grads = args->store_scaled_grads != 0;
     walk.stream = cuda_stream_of(exec);
     for (tm_dtype dtype : dtypes) { /* one launch series per dtype: T is a template parameter */
         walk.dtype = dtype;

@@ -152,6 +152,11 @@ typedef struct {
     int32_t amsgrad;              /* nonzero: keep max_exp_avg_sq, use its sqrt in the denominator */
     int32_t zero_grads_on_skip;   /* nonzero: when skip is set, zero every grad instead (grads must
                                      then be writable); the DeepNestedOptimizer's NaN guard */
+    int32_t store_scaled_grads;   /* nonzero: a step that is not skipped also stores
+                                     grad * grad_scale into each grad (grads must then be
+                                     writable, and lr, grad_scale and skip must not lie inside
+                                     one); torch's fused AdamW leaves the gradients unscaled so
+                                     under torch.amp.GradScaler */
     int32_t num_groups;           /* >= 1 */
     const tm_adamw_group *groups; /* host array [num_groups] */
     const int32_t *group_of;      /* host array [params.count]; NULL = all in group 0 */
@@ -182,7 +187,7 @@ typedef struct {
 size_t tm_adamw_scratch_bytes(const tm_adamw_tensors *t);
 
 /* One AdamW step, the math of torch.optim.AdamW (per tensor: step += 1, then
- *   g  = grad * grad_scale, negated if maximize
+ *   g  = grad * grad_scale (stored back into grad with store_scaled_grads), negated if maximize
  *   p *= 1 - lr * wd
  *   m  = lerp(m, g, 1 - beta1);  v = beta2 * v + (1 - beta2) * g * g
  *   denom = sqrt(amsgrad ? (vmax = max(vmax, v)) : v) / sqrt(1 - beta2^step) + eps

@@ -29,20 +29,22 @@ py_adamw_step(PyObject *module, PyObject *args, PyObject *kwargs)
 {
     static char *kwlist[] = {"params", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs",
                              "steps", "lr", "groups", "group_of", "amsgrad", "grad_scale", "skip",
-                             "zero_grads_on_skip", "num_threads", "stream", "scratch", NULL};
+                             "zero_grads_on_skip", "store_scaled_grads", "num_threads", "stream",
+                             "scratch", NULL};
     PyObject *l[6], *lr, *groups, *group_of = Py_None, *grad_scale = Py_None, *skip = Py_None;
     PyObject *stream = Py_None, *scratch = Py_None;
-    int amsgrad = 0, zero_grads = 0, num_threads = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOOO|O$pOOpiOO:adamw_step", kwlist, &l[0],
-                                     &l[1], &l[2], &l[3], &l[4], &l[5], &lr, &groups, &group_of,
-                                     &amsgrad, &grad_scale, &skip, &zero_grads, &num_threads,
-                                     &stream, &scratch)) {
+    int amsgrad = 0, zero_grads = 0, store_grads = 0, num_threads = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOOO|O$pOOppiOO:adamw_step", kwlist,
+                                     &l[0], &l[1], &l[2], &l[3], &l[4], &l[5], &lr, &groups,
+                                     &group_of, &amsgrad, &grad_scale, &skip, &zero_grads,
+                                     &store_grads, &num_threads, &stream, &scratch)) {
         return NULL;
     }
     py_batch b;
     py_call c = {.heap = NULL};
     tm_adamw_tensors t;
-    tm_adamw_args a = {.amsgrad = amsgrad, .zero_grads_on_skip = zero_grads};
+    tm_adamw_args a = {
+        .amsgrad = amsgrad, .zero_grads_on_skip = zero_grads, .store_scaled_grads = store_grads};
     tm_adamw_inputs in;
     tm_status status = TM_OK;
     int ran = 0;
