@@ -4,12 +4,17 @@ For each shape set it times
   - AdamW step: titanmac_c.AdamW vs torch.optim.AdamW for-loop (CPU only), foreach and fused;
   - clip + AdamW: titanmac_c (AdamW.clip_grad_norm_ + step: the coefficient is folded into the
     update) vs torch.nn.utils.clip_grad_norm_ (foreach) + fused AdamW;
+  - amp + AdamW: scaler.step(opt) + scaler.update() of a torch.amp.GradScaler (scale 1, so the
+    gradients keep their values from step to step): titanmac_c and fused AdamW take the scale
+    and inf flag in the update (no host read), foreach AdamW takes GradScaler's ordinary path
+    (unscale_, then a host read of the inf flag);
   - stats + clip + AdamW (CUDA): per-group gradient and parameter norms, global clip, AdamW, as
     the DeepNestedOptimizer needs them: titanmac_c (group_norms + clip + step, three calls) vs
     torch's best composition (_foreach_norm statistics + clip_grad_norm_(foreach=True) + fused
     AdamW);
 and reports the median time, the ratio to torch, and the effective bandwidth against the bytes
-each step must move (fp32 AdamW 28 B/element, clip + AdamW 32, stats + clip + AdamW 36) as a
+each step must move (fp32 AdamW 28 B/element, clip + AdamW 32, stats + clip + AdamW 36, amp +
+AdamW 40: GradScaler's inf check reads and writes the gradients, the update stores them) as a
 fraction of a device copy (8 B/element) measured in the same run. On CUDA it also reports host
 time per step (enqueueing, no sync) and kernel launches per step (torch.profiler).
 
@@ -129,6 +134,15 @@ def torch_group_stats(opt):
 def step_fn(kind, params, opt, what):
     if what == "adamw":
         return opt.step
+    if what == "amp+adamw":
+        scaler = torch.amp.GradScaler(params[0].device.type, init_scale=1.0,
+                                      growth_interval=2 ** 30)
+        scaler.scale(torch.ones((), device=params[0].device))  # creates the scale
+
+        def run():
+            scaler.step(opt)
+            scaler.update()
+        return run
     if kind == "titanmac_c":
         group_of = [gi for gi, g in enumerate(opt.param_groups) for _ in g["params"]]
         ordered = [p for g in opt.param_groups for p in g["params"]]
@@ -161,17 +175,19 @@ def copy_bandwidth(numel, device, timer, reps):
     return 8 * numel / statistics.median(times) / 1e9
 
 
-BYTES_PER_ELEMENT = {"adamw": 28, "clip+adamw": 32, "stats+clip+adamw": 36}
+BYTES_PER_ELEMENT = {"adamw": 28, "clip+adamw": 32, "stats+clip+adamw": 36, "amp+adamw": 40}
 
 
 def variants_for(device):
     if device.type == "cuda":
         return ([("adamw", k) for k in ("titanmac_c", "torch_fused", "torch_foreach")]
                 + [(w, k) for w in ("clip+adamw", "stats+clip+adamw")
-                   for k in ("titanmac_c", "torch_fused")])
+                   for k in ("titanmac_c", "torch_fused")]
+                + [("amp+adamw", k) for k in ("titanmac_c", "torch_fused", "torch_foreach")])
     return ([("adamw", k) for k in ("titanmac_c", "torch_fused", "torch_foreach",
                                     "torch_forloop")]
-            + [("clip+adamw", k) for k in ("titanmac_c", "torch_fused")])
+            + [("clip+adamw", k) for k in ("titanmac_c", "torch_fused")]
+            + [("amp+adamw", k) for k in ("titanmac_c", "torch_fused", "torch_foreach")])
 
 
 def enqueue_seconds(fn, device, reps):

@@ -39,6 +39,35 @@ def test_no_host_sync_in_clip_and_step(clip):
         torch.cuda.set_sync_debug_mode(0)
 
 
+@pytest.mark.parametrize("unscale", [False, True])
+def test_grad_scaler_step_does_not_sync(unscale):
+    """scaler.step(opt) + update(), with an overflowing step among them: no host read (torch's
+    ordinary GradScaler path reads the inf flag on the host every step)."""
+    params = make_params(SIZES, "cuda")
+    opt = titanmac_c.AdamW(params, lr=1e-3, weight_decay=0.01)
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0 ** 10)
+    before = None
+    for step in range(5):
+        scaler.scale(torch.ones((), device="cuda"))
+        set_grads(params, params, step, scale=1024.0)
+        if step == 3:
+            params[-1].grad.view(-1)[7] = float("inf")
+            before = [p.detach().clone() for p in params]
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error" if step else 0)  # the first creates the state
+        try:
+            if unscale:
+                scaler.unscale_(opt)
+            scaler.step(opt)
+            scaler.update()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        if step == 3:
+            assert all(torch.equal(b, p) for b, p in zip(before, params))
+    assert scaler.get_scale() == 2.0 ** 9
+    assert float(opt.state[params[0]]["step"]) == 4.0
+
+
 def test_scheduler_lr_changes_do_not_sync():
     params = make_params([1000, 3], "cuda")
     opt = titanmac_c.AdamW(params, lr=1e-2)
