@@ -28,7 +28,8 @@ def scaled_grads(params_a, params_b, step, scale):
 
 def run_both(device, params_a, params_b, ours, theirs, before_step=None, steps=STEPS):
     """Both optimizers through the GradScaler flow; yields after each step."""
-    scalers = [torch.amp.GradScaler(torch.device(device).type, init_scale=2.0 ** 12,
+    # a scale that is no power of two: torch divides by it, and so must we, to the bit
+    scalers = [torch.amp.GradScaler(torch.device(device).type, init_scale=3000.0,
                                     growth_interval=3) for _ in range(2)]
     for step in range(steps):
         for scaler in scalers:
@@ -43,6 +44,10 @@ def run_both(device, params_a, params_b, ours, theirs, before_step=None, steps=S
 
 
 def assert_same_run(ours, theirs, params_a, params_b, scalers, tolerance):
+    # fp16/bf16 state: an element rounded one ulp apart (torch's CPU kernel fuses multiply-adds)
+    # stays apart and, in exp_avg, walks on as it decays towards 0: within one unit of
+    # rounding at 1.0, the scale of these moments
+    state_tol = dict(rtol=tolerance["rtol"], atol=max(tolerance["atol"], 2.0 ** -10))
     assert scalers[0].get_scale() == scalers[1].get_scale()
     for pa, pb in zip(params_a, params_b):
         torch.testing.assert_close(pa.detach(), pb.detach(), **tolerance)
@@ -52,7 +57,7 @@ def assert_same_run(ours, theirs, params_a, params_b, scalers, tolerance):
         assert float(sa["step"]) == float(sb["step"])
         for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
             if key in sb:
-                torch.testing.assert_close(sa[key], sb[key], **tolerance)
+                torch.testing.assert_close(sa[key], sb[key], **state_tol)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -154,14 +159,81 @@ def test_bad_grad_scale_is_refused_before_any_write():
     with pytest.raises(ValueError, match=r"^optimizer\.grad_scale: expected one real value, "
                                          r"got a tensor of shape \(2,\)"):
         opt.step()
-    del opt.grad_scale
+    assert not hasattr(opt, "grad_scale")  # a refused step removes them (see below)
     opt.found_inf = torch.zeros(1, 2)
     with pytest.raises(ValueError, match=r"^optimizer\.found_inf: expected one real value"):
         opt.step()
     assert all(torch.equal(b, p) for b, p in zip(before, params)) and not opt.state
-    del opt.found_inf
-    opt.step()  # the attributes gone, an ordinary step
+    opt.found_inf = [0.0]
+    with pytest.raises(TypeError, match=r"^optimizer\.found_inf: expected a tensor or a number, "
+                                        r"got list$"):
+        opt.step()
+    assert all(torch.equal(b, p) for b, p in zip(before, params)) and not opt.state
+    opt.step()  # a refused step removed the attributes: an ordinary step
     assert float(opt.state[params[0]]["step"]) == 1.0
+
+
+def test_a_refused_scaler_step_leaves_no_stale_scale_behind():
+    """GradScaler deletes grad_scale and found_inf only after a step that returned: a refused
+    one must not leave them for the next step to multiply the next scale into."""
+    p = torch.nn.Parameter(torch.zeros(4))
+    opt = titanmac_c.AdamW([p], lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    scaler.scale(torch.ones(()))
+    p.grad = torch.full((4,), 2.0 ** 10)
+    opt.param_groups[0]["eps"] = -1.0
+    with pytest.raises(ValueError, match="eps"):
+        scaler.step(opt)
+    assert not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf")
+    assert torch.equal(p.grad, torch.full((4,), 2.0 ** 10)) and not opt.state
+    opt.param_groups[0]["eps"] = 1e-8
+    scaler.update()
+    scaler.scale(torch.ones(()))
+    p.grad = torch.full((4,), scaler.get_scale() * 3.0)
+    scaler.step(opt)
+    assert torch.equal(p.grad, torch.full((4,), 3.0))
+
+
+def test_parameters_sharing_one_gradient_are_refused_by_name():
+    """Two parameters given one gradient tensor: unscaling it in place twice at once would race
+    (torch divides it twice in turn). Refused, nothing written."""
+    params = [torch.nn.Parameter(torch.zeros(64)) for _ in range(2)]
+    opt = titanmac_c.AdamW(params, lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    scaler.scale(torch.ones(()))
+    grad = torch.full((64,), 8.0)
+    params[0].grad = params[1].grad = grad
+    with pytest.raises(ValueError, match=r"^grads\[1\]: shares memory with grads\[0\] "
+                                         r"\(param_groups\[0\]\['params'\]\[1\]; grads\[0\] is "
+                                         r"param_groups\[0\]\['params'\]\[0\]\)$"):
+        scaler.step(opt)
+    assert torch.equal(grad, torch.full((64,), 8.0)) and not opt.state
+    assert all(torch.equal(q, torch.zeros(64)) for q in params)
+
+
+def test_gradients_that_cannot_take_the_unscaled_values_back():
+    """A gradient taken as a copy (another layout) is written back after the C call: an
+    expanded one cannot be, and is refused before anything is written; an inference tensor is
+    written, as the C core writes one in place."""
+    w = torch.nn.Parameter(torch.randn(5, 3).t())
+    v = torch.nn.Parameter(torch.randn(8))
+    opt = titanmac_c.AdamW([{"params": [v]}, {"params": [w], "amsgrad": True}], lr=1e-2)
+    before = [w.detach().clone(), v.detach().clone()]
+    v.grad = torch.full((8,), 8.0)
+    w.grad = torch.full((1, 1), 8.0).expand(3, 5)
+    opt.grad_scale, opt.found_inf = torch.full((), 4.0), torch.zeros(())
+    with pytest.raises(RuntimeError, match=r"^param_groups\[1\]\['params'\]\[0\]: its gradient "
+                                           r"is an expanded tensor"):
+        opt.step()
+    assert torch.equal(before[0], w.detach()) and torch.equal(before[1], v.detach())
+    assert not opt.state and torch.equal(v.grad, torch.full((8,), 8.0))
+    with torch.inference_mode():
+        w.grad = torch.full((3, 5), 8.0)  # contiguous, where w is transposed: taken as a copy
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    scaler.scale(torch.ones(()))
+    scaler.step(opt)
+    assert torch.equal(w.grad, torch.full((3, 5), 2.0)) and torch.equal(v.grad, torch.full((8,), 2.0))
+    assert float(opt.state[w]["step"]) == 1.0 and not torch.equal(before[0], w.detach())
 
 
 # ---------------------------------------------------------------------------- the C core
@@ -177,7 +249,7 @@ def adamw_lists(device, dtype, n=4099):
             [torch.full((), 2.0, device=device)]]
 
 
-def adamw_call(lists, device, grad_scale, skip=None, store=False):
+def adamw_call(lists, device, grad_scale=None, loss_scale=None, skip=None):
     device = torch.device(device)
     scratch = None
     if device.type == "cuda":
@@ -185,50 +257,65 @@ def adamw_call(lists, device, grad_scale, skip=None, store=False):
                               device=device)
     _C.adamw_step(*lists, torch.full((1,), 1e-2, device=device),
                   [(0.9, 0.999, 1e-8, 0.01, True)], grad_scale=grad_scale, skip=skip,
-                  store_scaled_grads=store, scratch=scratch)
+                  loss_scale=loss_scale, scratch=scratch)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_store_scaled_grads_writes_the_scaled_gradient_and_changes_nothing_else(device, dtype):
-    """The same step as without the option (maximize on: the stored value is before the sign
-    flip), and each grad element becomes grad * grad_scale rounded once to its dtype; a scale
-    that is no power of two too. A skipped step stores nothing."""
+def test_loss_scale_divides_the_gradient_and_stores_it_back(device, dtype):
+    """Each grad element becomes grad * grad_scale / loss_scale in float32, rounded once to its
+    dtype (maximize on: the value before the sign flip), as torch's fused AdamW divides; the
+    update reads the unrounded value, so in float32 the step equals one on gradients divided
+    beforehand. A skipped step stores nothing."""
     a = adamw_lists(device, dtype)
-    b = [[t.clone() for t in lst] for lst in a]
     grad = a[1][0].clone()
-    scale = torch.full((1,), 0.3, device=device)
-    adamw_call(a, device, scale, store=True)
-    adamw_call(b, device, scale, store=False)
-    for k in (0, 2, 3, 5):
-        assert torch.equal(a[k][0], b[k][0])
-    assert torch.equal(a[1][0], (grad.float() * 0.3).to(dtype))
-    assert torch.equal(b[1][0], grad)
+    clip = torch.full((1,), 0.3, device=device)
+    loss_scale = torch.full((1,), 3000.0, device=device)  # GradScaler's may be no power of two
+    adamw_call(a, device, grad_scale=clip, loss_scale=loss_scale)
+    unscaled = (grad.float() * clip / 3000.0).to(dtype)
+    assert torch.equal(a[1][0], unscaled)
+    if dtype == torch.float32:
+        b = adamw_lists(device, dtype)
+        b[1][0] = unscaled.clone()
+        adamw_call(b, device)
+        for k in (0, 2, 3, 5):
+            assert torch.equal(a[k][0], b[k][0])
     before = [[t.clone() for t in lst] for lst in a]
-    adamw_call(a, device, scale, skip=torch.ones(1, device=device), store=True)
+    adamw_call(a, device, grad_scale=clip, loss_scale=loss_scale,
+               skip=torch.ones(1, device=device))
     assert all(torch.equal(x, y) for la, lb in zip(a, before) for x, y in zip(la, lb))
 
 
-def test_store_scaled_grads_refuses_read_only_grads_and_inputs_inside_a_grad():
+def test_loss_scale_refuses_what_it_cannot_write():
+    """Read-only grads, an input inside a grad, and two grads on one memory (the second would
+    be divided again, by another thread): refused, nothing written."""
     import numpy as np
     p, g = np.ones(4, np.float32), np.full(4, 0.5, np.float32)
     g.flags.writeable = False
     m, v, step = np.zeros(4, np.float32), np.zeros(4, np.float32), np.zeros(1, np.float32)
-    lr, scale = np.full(1, 0.1, np.float32), np.full(1, 0.5, np.float32)
+    lr, scale = np.full(1, 0.1, np.float32), np.full(1, 2.0, np.float32)
     hp = [(0.9, 0.999, 1e-8, 0.0, False)]
     with pytest.raises(BufferError, match=r"^grads\[0\]: read-only, cannot be written$"):
-        _C.adamw_step([p], [g], [m], [v], [], [step], lr, hp, grad_scale=scale,
-                      store_scaled_grads=True)
+        _C.adamw_step([p], [g], [m], [v], [], [step], lr, hp, loss_scale=scale)
     assert (g == 0.5).all() and (p == 1).all() and (step == 0).all()
-    for name in ("lr", "grad_scale", "skip"):
+    for name in ("lr", "grad_scale", "skip", "loss_scale"):
         grads = torch.full((8,), 0.25)
         q, m2, v2, s2 = torch.ones(8), torch.zeros(8), torch.zeros(8), torch.zeros(())
-        inputs = {"lr": torch.full((1,), 0.1), "grad_scale": torch.ones(1), "skip": None}
+        inputs = {"lr": torch.full((1,), 0.1), "grad_scale": None, "skip": None,
+                  "loss_scale": torch.full((1,), 2.0)}
         inputs[name] = grads[5:6]
         with pytest.raises(ValueError, match=rf"^{name}: shares memory with grads\[0\], "
                                              r"which it may write$"):
             _C.adamw_step([q], [grads], [m2], [v2], [], [s2], inputs["lr"], hp,
                           grad_scale=inputs["grad_scale"], skip=inputs["skip"],
-                          store_scaled_grads=True)
+                          loss_scale=inputs["loss_scale"])
         assert torch.equal(grads, torch.full((8,), 0.25)) and torch.equal(q, torch.ones(8))
         assert s2.item() == 0
+    shared = torch.full((8,), 0.25)
+    ps = [torch.ones(8), torch.ones(8)]
+    states = [[torch.zeros(8) for _ in range(2)] for _ in range(2)]
+    steps = [torch.zeros(()), torch.zeros(())]
+    with pytest.raises(ValueError, match=r"^grads\[1\]: shares memory with grads\[0\]$"):
+        _C.adamw_step(ps, [shared, shared], [s[0] for s in states], [s[1] for s in states], [],
+                      steps, torch.full((1,), 0.1), hp, loss_scale=torch.full((1,), 2.0))
+    assert torch.equal(shared, torch.full((8,), 0.25)) and all(s.item() == 0 for s in steps)

@@ -6,7 +6,7 @@ import operator
 
 import torch
 
-from ._runtime import dense_order
+from ._runtime import dense_order, is_expanded
 
 _IS_NONE = functools.partial(operator.is_, None)
 _EXP_AVG, _EXP_AVG_SQ, _MAX_EXP_AVG_SQ, _STEP = (
@@ -47,7 +47,8 @@ class Batch:
         # entries a Plan could not re-read (permuted views, gradients copied into their
         # parameter's layout): no Plan
         self.no_plan = False
-        self.grad_copies = []  # (gradient, its copy in the batch) of gradients laid out anew
+        # (name, gradient, its copy in grads) of gradients laid out anew for this step
+        self.grad_copies = []
 
     def permute_dense(self):
         """A parameter that is dense in another order (channels_last, transposed) goes to the C
@@ -69,6 +70,15 @@ class Batch:
                 t = tensors[i]
                 if t.shape == p.shape:  # else precheck / the C core name the mismatch
                     tensors[i] = t.permute(order)
+
+    def check_grads_storable(self):
+        """Before a step that stores the gradients back (GradScaler's unscale): a gradient taken
+        as a copy is written back after the C call, which an expanded one cannot take."""
+        for name, grad, _ in self.grad_copies:
+            if is_expanded(grad):
+                raise RuntimeError(f"{name}: its gradient is an expanded tensor (several "
+                                   "elements on one memory location) and cannot be unscaled "
+                                   "in place")
 
     def precheck(self):
         """With several C calls per step, a failure in a later call must not follow a completed

@@ -46,6 +46,12 @@ def dense_order(t):
     return order if t.permute(order).is_contiguous() else None
 
 
+def is_expanded(t):
+    """Whether several elements of t lie on one memory location (a stride 0 over a dimension of
+    more than one element): t cannot be written in place."""
+    return any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape))
+
+
 def is_strided_only(t):
     """Whether no permutation makes t dense (a strided slice, an expanded tensor): the C core
     cannot take it in place."""

@@ -24,6 +24,7 @@ from ._distributed import ShardedNorms, any_dtensor, local_of
 from ._runtime import (
     call_dense,
     exec_kwargs,
+    is_expanded,
     is_strided_only,
     mark_written,
     norms_scratch,
@@ -138,7 +139,7 @@ def _refuse_expanded(positions, grads):
     """torch's own refusal of an in-place scale, by name: a gradient with several elements on one
     memory location (an expanded tensor)."""
     for i, g in zip(positions, grads):
-        if any(st == 0 and n > 1 for st, n in zip(g.stride(), g.shape)):
+        if is_expanded(g):
             raise RuntimeError(f"parameters[{i}]: its gradient is an expanded tensor (several "
                                "elements on one memory location) and cannot be scaled in "
                                "place, as with torch") from None

@@ -8,6 +8,7 @@ State per parameter: "step" (float32 0-d tensor on the parameter's device), "exp
 """
 
 import math
+import numbers
 
 import torch
 from torch import Tensor
@@ -57,7 +58,7 @@ class _AmpScaling:
     by grad_scale as the update loads it and stored back so divided. Read on the device only."""
 
     def __init__(self, grad_scale, found_inf):
-        self.inv_scale = None if grad_scale is None else self._one("grad_scale", grad_scale)
+        self.loss_scale = None if grad_scale is None else self._one("grad_scale", grad_scale)
         self.found_inf = None if found_inf is None else self._one("found_inf", found_inf)
         self._per_device = {}
 
@@ -68,10 +69,7 @@ class _AmpScaling:
         found_inf = getattr(optimizer, "found_inf", None)
         if grad_scale is None and found_inf is None:
             return None
-        scaling = cls(grad_scale, found_inf)
-        if scaling.inv_scale is not None:
-            scaling.inv_scale = scaling.inv_scale.reciprocal()
-        return scaling
+        return cls(grad_scale, found_inf)
 
     @staticmethod
     def _one(name, value):
@@ -81,24 +79,18 @@ class _AmpScaling:
                 raise ValueError(f"optimizer.{name}: expected one real value, got a tensor of "
                                  f"shape {tuple(value.shape)} and dtype {value.dtype}")
             return value.detach().reshape(1).to(torch.float32)
+        if not isinstance(value, numbers.Real):
+            raise TypeError(f"optimizer.{name}: expected a tensor or a number, got "
+                            f"{type(value).__name__}")
         return torch.tensor([float(value)], dtype=torch.float32)
 
-    def inputs(self, device, clip_coef):
-        """(grad_scale, skip, store) of tm_adamw_step for the tensors on device: the inverse loss
-        scale times a pending clip coefficient, the found_inf flag, and whether to store the
-        gradients back (only when they still carry the loss scale)."""
+    def inputs(self, device):
+        """(loss_scale, skip) of tm_adamw_step for the tensors on device."""
         cached = self._per_device.get(device)
         if cached is None:
-            inv = skip = None
-            if self.inv_scale is not None:
-                inv = self.inv_scale.to(device, non_blocking=True)
-            if self.found_inf is not None:
-                skip = self.found_inf.to(device, non_blocking=True)
-            cached = self._per_device[device] = (inv, skip)
-        inv, skip = cached
-        if inv is None:
-            return clip_coef, skip, False
-        return (inv if clip_coef is None else inv * clip_coef), skip, True
+            cached = self._per_device[device] = tuple(
+                None if t is None else t.to(device) for t in (self.loss_scale, self.found_inf))
+        return cached
 
 
 class AdamW(Optimizer):
@@ -348,8 +340,14 @@ class AdamW(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        amp = _AmpScaling.of(self)
-        self._fused_step(amp=amp)
+        try:
+            self._fused_step(amp=_AmpScaling.of(self))
+        except Exception:
+            # GradScaler removes its attributes only after a step that returned; left in place,
+            # its next step would multiply the next loss scale into this one
+            for name in ("grad_scale", "found_inf"):
+                self.__dict__.pop(name, None)
+            raise
         return loss
 
     def _has_step_hooks(self):
@@ -395,6 +393,9 @@ class AdamW(Optimizer):
         if len(batches) > 1:
             for batch in batches:
                 batch.precheck()
+        if amp is not None and amp.loss_scale is not None:
+            for batch in batches:
+                batch.check_grads_storable()
         for batch in batches:
             self._run_batch(batch, groups, lrs, *args)
         self.state.update(new_state)
@@ -406,10 +407,11 @@ class AdamW(Optimizer):
     def _run_batch(self, batch, groups, lrs, lr, grad_scale, skip, zero_grads_on_skip, amp):
         batch_lr = lr if lr is not None else self._lr_tensor(batch.device, lrs)
         scale = grad_scale if grad_scale is not None else self._clip_coef.get(batch.device)
-        store = False
+        loss_scale = None
         if amp is not None:
-            scale, skip, store = amp.inputs(batch.device, scale)
-        self._run(batch, groups, batch_lr, scale, skip, zero_grads_on_skip, store)
+            loss_scale, found_inf = amp.inputs(batch.device)
+            skip = found_inf if found_inf is not None else skip
+        self._run(batch, groups, batch_lr, scale, skip, zero_grads_on_skip, loss_scale)
 
     def _planned_grads(self):
         """Every parameter's gradient (one device) through the cached plan, or None."""
@@ -478,7 +480,7 @@ class AdamW(Optimizer):
                     p, grad, tensors = localize(name, p, grad, state, _STATE_KEYS)
                     laid_out = in_layout_of(grad, p)  # a local gradient in another layout: a copy
                     if laid_out is not grad:
-                        batch.grad_copies.append((grad, laid_out))
+                        batch.grad_copies.append((name, grad, laid_out))
                     grad = laid_out
                 else:
                     if dtensor is not None:
@@ -491,7 +493,7 @@ class AdamW(Optimizer):
                     laid_out = in_layout_of(grad, p)
                     if laid_out is not grad:
                         batch.no_plan = True
-                        batch.grad_copies.append((grad, laid_out))
+                        batch.grad_copies.append((name, grad, laid_out))
                     grad, tensors = laid_out, state
                 batch.group_of.append(gi)
                 batch.params.append(p)
@@ -582,7 +584,7 @@ class AdamW(Optimizer):
         self._lr_cache[device] = (values, tensor)
         return tensor
 
-    def _run(self, batch, groups, lr, grad_scale, skip, zero_grads_on_skip, store_grads):
+    def _run(self, batch, groups, lr, grad_scale, skip, zero_grads_on_skip, loss_scale):
         device = batch.device
         kwargs = exec_kwargs(device)
         lists = (batch.params, batch.grads, batch.exp_avgs, batch.exp_avg_sqs,
@@ -598,17 +600,18 @@ class AdamW(Optimizer):
         try:
             _C.adamw_step(*lists, lr, groups, batch.group_of, amsgrad=batch.amsgrad,
                           grad_scale=grad_scale, skip=skip, scratch=scratch,
-                          zero_grads_on_skip=zero_grads_on_skip, store_scaled_grads=store_grads,
-                          **kwargs)
+                          zero_grads_on_skip=zero_grads_on_skip, loss_scale=loss_scale, **kwargs)
         except (ValueError, TypeError, BufferError) as exc:
             group_names = [f"param_groups[{i}]" for i in range(len(groups))]
             reraise_with_names(exc, batch.names, group_names)
-        if store_grads:
+        if loss_scale is not None:
             # a gradient taken as a copy in its parameter's layout: the copy holds what the C
-            # core stored (unscaled, or the scaled values of a skipped step)
-            for grad, copy in batch.grad_copies:
-                grad.copy_(copy)
+            # core stored (unscaled, or the scaled values of a skipped step). Inference mode:
+            # an inference tensor's gradient takes the write too, as the C core's would.
+            with torch.inference_mode():
+                for _, grad, copy in batch.grad_copies:
+                    grad.copy_(copy)
         # the tensors autograd may hold: parameters, and gradients the call may write (the
         # state's versions are left alone: no graph saves optimizer state)
         mark_written(batch.params, batch.wrappers,
-                     batch.grads if zero_grads_on_skip or store_grads else ())
+                     batch.grads if zero_grads_on_skip or loss_scale is not None else ())

@@ -41,6 +41,7 @@ typedef struct {
     float neg_step_size;   /* -lr / (1 - beta1^step) */
     float eps;
     float grad_scale;      /* 1 unless a clip coefficient (or other scale) is folded in */
+    float loss_scale;      /* torch.amp's loss scale, divided out where the caller asks */
     int32_t maximize;
     int32_t amsgrad;
 } tm_adamw_coeffs;
@@ -59,6 +60,7 @@ tm_adamw_coeffs_make(double lr, double beta1, double beta2, double eps, double w
     c.neg_step_size = (float)(-(lr / (1.0 - pow(beta1, step))));
     c.eps = (float)eps;
     c.grad_scale = grad_scale;
+    c.loss_scale = 1.0f;
     c.maximize = maximize;
     c.amsgrad = amsgrad;
     return c;
@@ -78,11 +80,13 @@ tm_max_nan(float a, float b)
     return (a > b || a != a) ? a : b;
 }
 
-/* The gradient as the update reads it (and as store_scaled_grads writes it back). */
+/* The gradient as the update reads it: times grad_scale and, with unscale (a loss_scale given),
+ * divided by the loss scale as torch's fused AdamW divides (the value then stored back). */
 TM_HOST_DEVICE float
-tm_adamw_scaled_grad(float grad, const tm_adamw_coeffs *c)
+tm_adamw_scaled_grad(float grad, const tm_adamw_coeffs *c, int unscale)
 {
-    return grad * c->grad_scale;
+    const float g = grad * c->grad_scale;
+    return unscale ? g / c->loss_scale : g;
 }
 
 /* One element; g is tm_adamw_scaled_grad of the gradient. vmax is read and written only when

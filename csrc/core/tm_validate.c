@@ -141,6 +141,7 @@ enum {
     ADAMW_LR,
     ADAMW_GRAD_SCALE,
     ADAMW_SKIP,
+    ADAMW_LOSS_SCALE,
     ADAMW_ROLES
 };
 
@@ -196,7 +197,7 @@ check_adamw_groups(const tm_adamw_args *args)
     return TM_OK;
 }
 
-/* Grads the call writes (zeros with zero_grads_on_skip, scaled values with store_scaled_grads)
+/* Grads the call writes (zeros with zero_grads_on_skip, unscaled values with a loss_scale)
  * must be writable, and the lone inputs the blocks read must not lie inside one: CUDA blocks
  * writing their chunks would race with the blocks still reading them. */
 static tm_status
@@ -241,14 +242,15 @@ tm_validate_adamw(const tm_adamw_tensors *t, const tm_adamw_args *args, const tm
         [ADAMW_LR] = tm_lone_role(&in->lr, "lr", 0),
         [ADAMW_GRAD_SCALE] = tm_lone_role(&in->grad_scale, "grad_scale", 0),
         [ADAMW_SKIP] = tm_lone_role(&in->skip, "skip", 0),
+        [ADAMW_LOSS_SCALE] = tm_lone_role(&in->loss_scale, "loss_scale", 0),
     };
     TM_TRY(tm_roles_structure(roles, ADAMW_ROLES));
     TM_TRY(check_adamw_counts(roles, args));
     TM_TRY(tm_roles_check(roles, ADAMW_ROLES, ref));
-    if (args->store_scaled_grads) {
-        const tm_tensor *const lone[] = {&in->lr, &in->grad_scale, &in->skip};
-        static const char *const names[] = {"lr", "grad_scale", "skip"};
-        TM_TRY(check_written_grads(&roles[ADAMW_GRADS].list, lone, names, 3, "write",
+    if (tm_tensor_given(&in->loss_scale)) {
+        const tm_tensor *const lone[] = {&in->lr, &in->grad_scale, &in->skip, &in->loss_scale};
+        static const char *const names[] = {"lr", "grad_scale", "skip", "loss_scale"};
+        TM_TRY(check_written_grads(&roles[ADAMW_GRADS].list, lone, names, 4, "write",
                                    "written"));
     } else if (args->zero_grads_on_skip && tm_tensor_given(&in->skip)) {
         const tm_tensor *const lone[] = {&in->skip};
@@ -260,7 +262,7 @@ tm_validate_adamw(const tm_adamw_tensors *t, const tm_adamw_args *args, const tm
     TM_TRY(check_adamw_groups(args));
     TM_TRY(check_group_of(args->group_of, t->params.count, args->num_groups));
     TM_TRY(tm_check_f32_numel(&in->lr, "lr", TM_NO_INDEX, args->num_groups));
-    for (int k = ADAMW_GRAD_SCALE; k <= ADAMW_SKIP; k++) {
+    for (int k = ADAMW_GRAD_SCALE; k <= ADAMW_LOSS_SCALE; k++) {
         if (tm_tensor_given(roles[k].list.tensors)) {
             TM_TRY(tm_check_f32_numel(roles[k].list.tensors, roles[k].list.name, TM_NO_INDEX, 1));
         }

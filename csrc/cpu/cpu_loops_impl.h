@@ -80,7 +80,7 @@ store_elem(void *x, int64_t i, float value, tm_dtype dt)
 CPU_INLINE void
 adamw_loop(void *restrict p, void *restrict g, void *restrict m, void *restrict v,
            void *restrict vmax, int64_t n, tm_adamw_coeffs c, tm_dtype dt, int32_t amsgrad,
-           int32_t store_grad)
+           int32_t unscale)
 {
     c.amsgrad = amsgrad; /* a constant here, so the amsgrad branch of tm_adamw_elem folds away */
     TM_SIMD
@@ -89,7 +89,7 @@ adamw_loop(void *restrict p, void *restrict g, void *restrict m, void *restrict 
         float mv = load_elem(m, i, dt);
         float vv = load_elem(v, i, dt);
         float xv = amsgrad ? load_elem(vmax, i, dt) : 0.0f;
-        const float gv = tm_adamw_scaled_grad(load_elem(g, i, dt), &c);
+        const float gv = tm_adamw_scaled_grad(load_elem(g, i, dt), &c, unscale);
         tm_adamw_elem(&pv, &mv, &vv, &xv, gv, &c);
         store_elem(p, i, pv, dt);
         store_elem(m, i, mv, dt);
@@ -97,25 +97,26 @@ adamw_loop(void *restrict p, void *restrict g, void *restrict m, void *restrict 
         if (amsgrad) {
             store_elem(vmax, i, xv, dt);
         }
-        if (store_grad) {
+        if (unscale) {
             store_elem(g, i, gv, dt);
         }
     }
 }
 
-/* amsgrad and store_grad as constants: each of the four loops has no test inside. */
+/* amsgrad and unscale (divide by the loss scale, store the gradient back) as constants: each of
+ * the four loops has no test inside. */
 CPU_INLINE void
 adamw_variant(void *p, void *g, void *m, void *v, void *vmax, int64_t n, tm_adamw_coeffs k,
-              tm_dtype dt, int32_t store_grad)
+              tm_dtype dt, int32_t unscale)
 {
     if (k.amsgrad) {
-        if (store_grad) {
+        if (unscale) {
             adamw_loop(p, g, m, v, vmax, n, k, dt, 1, 1);
         } else {
             adamw_loop(p, g, m, v, vmax, n, k, dt, 1, 0);
         }
     } else {
-        if (store_grad) {
+        if (unscale) {
             adamw_loop(p, g, m, v, vmax, n, k, dt, 0, 1);
         } else {
             adamw_loop(p, g, m, v, vmax, n, k, dt, 0, 0);
@@ -128,21 +129,21 @@ adamw_variant(void *p, void *g, void *m, void *v, void *vmax, int64_t n, tm_adam
  * Testing the same condition around the loop lets the compiler fold the one inside. */
 CPU_INLINE void
 adamw_dispatch(void *p, void *g, void *m, void *v, void *vmax, int64_t n,
-               const tm_adamw_coeffs *c, tm_dtype dt, int32_t store_grad)
+               const tm_adamw_coeffs *c, tm_dtype dt, int32_t unscale)
 {
     tm_adamw_coeffs k = *c;
     if (k.one_minus_beta1 < 0.5f) {
-        adamw_variant(p, g, m, v, vmax, n, k, dt, store_grad);
+        adamw_variant(p, g, m, v, vmax, n, k, dt, unscale);
     } else {
-        adamw_variant(p, g, m, v, vmax, n, k, dt, store_grad);
+        adamw_variant(p, g, m, v, vmax, n, k, dt, unscale);
     }
 }
 
 #define CPU_DEFINE_ADAMW(DT, DTYPE)                                                                \
     static void adamw_##DT(void *p, void *g, void *m, void *v, void *vmax, int64_t n,              \
-                           const tm_adamw_coeffs *c, int32_t store_grad)                           \
+                           const tm_adamw_coeffs *c, int32_t unscale)                           \
     {                                                                                              \
-        adamw_dispatch(p, g, m, v, vmax, n, c, DTYPE, store_grad);                                 \
+        adamw_dispatch(p, g, m, v, vmax, n, c, DTYPE, unscale);                                 \
     }
 
 /* ---------------------------------------------------------------- scale ---- */

@@ -12,8 +12,8 @@
  * the new step in double via tm_adamw_coeffs_make, then tm_adamw_elem on every element. Steps are
  * read while the elements are updated and written after, so a thread starting in the middle of
  * a tensor sees the same step as the thread that has its first block. A nonzero skip[0] changes
- * nothing, or with zero_grads_on_skip writes 0 into every grad and nothing else. With
- * store_scaled_grads the loop also stores each scaled gradient back (torch.amp's unscale).
+ * nothing, or with zero_grads_on_skip writes 0 into every grad and nothing else. With a
+ * loss_scale the loop also divides each gradient by it and stores it back (torch.amp's unscale).
  */
 #include "cpu_ops.h"
 
@@ -93,6 +93,8 @@ typedef struct {
     const tm_adamw_args *args;
     const float *lr;
     float grad_scale;
+    float loss_scale;
+    int32_t unscale; /* a loss_scale given */
     cpu_adamw_fn const *loops;
 } adamw_ctx;
 
@@ -113,6 +115,7 @@ adamw_segment(void *vctx, int32_t i, int64_t b0, int64_t b1, int64_t global_bloc
     tm_adamw_coeffs c = tm_adamw_coeffs_make(
         ctx->lr[group], hp->beta1, hp->beta2, hp->eps, hp->weight_decay,
         next_step(&t->step.tensors[i]), ctx->grad_scale, hp->maximize != 0, args->amsgrad != 0);
+    c.loss_scale = ctx->loss_scale;
     const tm_tensor *p = &t->params.tensors[i];
     int64_t offset;
     int64_t n = cpu_segment_elems(p->numel, b0, b1, &offset);
@@ -121,7 +124,7 @@ adamw_segment(void *vctx, int32_t i, int64_t b0, int64_t b1, int64_t global_bloc
     ctx->loops[p->dtype](cpu_elem_ptr(p, offset), cpu_elem_ptr(&t->grads.tensors[i], offset),
                          cpu_elem_ptr(&t->exp_avg.tensors[i], offset),
                          cpu_elem_ptr(&t->exp_avg_sq.tensors[i], offset), vmax, n, &c,
-                         args->store_scaled_grads != 0);
+                         ctx->unscale);
 }
 
 /* zero_grads_on_skip: the DNO's NaN guard zeroes the gradients instead of stepping. All-zero
@@ -151,6 +154,8 @@ cpu_adamw_step(const tm_adamw_tensors *t, const tm_adamw_args *args, const tm_ad
         .args = args,
         .lr = in->lr.data,
         .grad_scale = tm_tensor_given(&in->grad_scale) ? *(const float *)in->grad_scale.data : 1.0f,
+        .loss_scale = tm_tensor_given(&in->loss_scale) ? *(const float *)in->loss_scale.data : 1.0f,
+        .unscale = tm_tensor_given(&in->loss_scale),
         .loops = cpu_active_kernels()->adamw,
     };
     cpu_for_each_block(&t->params, exec, adamw_segment, &ctx);

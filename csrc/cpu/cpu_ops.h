@@ -41,9 +41,10 @@
 typedef enum { CPU_NORM_L1 = 0, CPU_NORM_L2, CPU_NORM_LINF, CPU_NORM_LP } cpu_norm_kind;
 
 /* One call per contiguous run of elements of one tensor; pointers already point at the run.
- * vmax is NULL unless c->amsgrad; g is written only with store_grad (the scaled gradient). */
+ * vmax is NULL unless c->amsgrad; g is written only with unscale (the gradient divided by
+ * c->loss_scale). */
 typedef void (*cpu_adamw_fn)(void *p, void *g, void *m, void *v, void *vmax, int64_t n,
-                             const tm_adamw_coeffs *c, int32_t store_grad);
+                             const tm_adamw_coeffs *c, int32_t unscale);
 typedef void (*cpu_scale_fn)(void *x, int64_t n, float scale);
 /* Reduced value of one block (n <= TM_CPU_BLOCK): sum |x|^p, or max |x| for CPU_NORM_LINF,
  * with 8 accumulators combined in a fixed order. */

@@ -4,12 +4,13 @@
  * after PyTorch's fused_adam_utils.cuh and llm.c's adamw.cuh.
  *
  *   step += 1;  g = grad * grad_scale (negated if maximize);  p *= 1 - lr * wd
- *   with store_scaled_grads: grad = grad * grad_scale (torch.amp's unscale, as torch's fused)
+ *   with a loss_scale: g = g / loss_scale, stored back into grad (torch.amp's unscale, as torch's
+ *   fused AdamW does it)
  *   m = lerp(m, g, 1 - beta1);  v = beta2 * v + (1 - beta2) * g^2;  vmax = max(vmax, v)
  *   p -= lr / (1 - beta1^step) * m / (sqrt(amsgrad ? vmax : v) / sqrt(1 - beta2^step) + eps)
  *
- * Graph-capturable: lr[group], step[i], grad_scale[0] and skip[0] are read by the kernel from
- * device memory; the host passes pointers and the groups' host hyperparameters only.
+ * Graph-capturable: lr[group], step[i], grad_scale[0], skip[0] and loss_scale[0] are read by the
+ * kernel from device memory; the host passes pointers and the groups' host hyperparameters only.
  *
  * adamw_kernel<T, DEPTH>: one block per chunk of TM_CHUNK elements (multi_tensor.cuh). Thread 0
  * reads the tensor's step and lr and builds the coefficients in double (tm_adamw_coeffs_make),
@@ -54,7 +55,7 @@ struct adamw_args {
     const float *skip;       /* [1], NULL = never */
     unsigned int *counter;   /* scratch: finished blocks of the running launch */
     int32_t zero_grads;      /* zero_grads_on_skip */
-    int32_t store_grads;     /* store_scaled_grads */
+    const float *loss_scale; /* [1], NULL = none: no division, no store */
 };
 
 /* DEPTH 4: p, g, m, v; DEPTH 5: + vmax (amsgrad). Indexed by TM_IDX_*. */
@@ -83,13 +84,18 @@ adamw_coeffs_of(const adamw_meta<DEPTH> &meta, const adamw_args &args, int32_t i
     const adamw_group_hp &g = meta.groups[meta.slot[i]];
     const float step = meta.step[i][0] + 1.0f;
     const float scale = args.grad_scale != NULL ? args.grad_scale[0] : 1.0f;
-    return tm_adamw_coeffs_make((double)args.lr[g.lr_index], g.beta1, g.beta2, g.eps,
-                                g.weight_decay, (double)step, scale, g.maximize, DEPTH == 5);
+    tm_adamw_coeffs c =
+        tm_adamw_coeffs_make((double)args.lr[g.lr_index], g.beta1, g.beta2, g.eps, g.weight_decay,
+                             (double)step, scale, g.maximize, DEPTH == 5);
+    if (args.loss_scale != NULL) {
+        c.loss_scale = args.loss_scale[0];
+    }
+    return c;
 }
 
 /* One element of any dtype: widen, tm_adamw_elem, round once. x is touched only with AMS, g is
- * written only with STORE (the scaled gradient). */
-template <typename T, bool AMS, bool STORE>
+ * written only with UNSCALE (the gradient divided by the loss scale). */
+template <typename T, bool AMS, bool UNSCALE>
 static __device__ __forceinline__ void
 adamw_apply(T &p, T &g, T &m, T &v, T *x, const tm_adamw_coeffs &c)
 {
@@ -97,7 +103,7 @@ adamw_apply(T &p, T &g, T &m, T &v, T *x, const tm_adamw_coeffs &c)
     float mf = to_float(m);
     float vf = to_float(v);
     float xf = AMS ? to_float(*x) : 0.0f;
-    const float gf = tm_adamw_scaled_grad(to_float(g), &c);
+    const float gf = tm_adamw_scaled_grad(to_float(g), &c, UNSCALE);
     tm_adamw_elem(&pf, &mf, &vf, &xf, gf, &c);
     p = from_float<T>(pf);
     m = from_float<T>(mf);
@@ -105,13 +111,13 @@ adamw_apply(T &p, T &g, T &m, T &v, T *x, const tm_adamw_coeffs &c)
     if constexpr (AMS) {
         *x = from_float<T>(xf);
     }
-    if constexpr (STORE) {
+    if constexpr (UNSCALE) {
         g = from_float<T>(gf);
     }
 }
 
 /* Vector k (16 bytes of each tensor) of a chunk whose pointers are all 16-byte aligned. */
-template <typename T, bool AMS, bool STORE>
+template <typename T, bool AMS, bool UNSCALE>
 static __device__ __forceinline__ void
 adamw_vec(T *p, T *g, T *m, T *v, T *x, int32_t k, const tm_adamw_coeffs &c)
 {
@@ -125,7 +131,7 @@ adamw_vec(T *p, T *g, T *m, T *v, T *x, int32_t k, const tm_adamw_coeffs &c)
     }
 #pragma unroll
     for (int e = 0; e < (int)(TM_VEC_BYTES / sizeof(T)); e++) {
-        adamw_apply<T, AMS, STORE>(rp.v[e], rg.v[e], rm.v[e], rv.v[e], &rx.v[e], c);
+        adamw_apply<T, AMS, UNSCALE>(rp.v[e], rg.v[e], rm.v[e], rv.v[e], &rx.v[e], c);
     }
     reinterpret_cast<vec16<T> *>(p)[k] = rp;
     reinterpret_cast<vec16<T> *>(m)[k] = rm;
@@ -133,14 +139,14 @@ adamw_vec(T *p, T *g, T *m, T *v, T *x, int32_t k, const tm_adamw_coeffs &c)
     if constexpr (AMS) {
         reinterpret_cast<vec16<T> *>(x)[k] = rx;
     }
-    if constexpr (STORE) {
+    if constexpr (UNSCALE) {
         reinterpret_cast<vec16<T> *>(g)[k] = rg;
     }
 }
 
-/* This thread's elements of chunk [start, start + len) of tensor i; with STORE the scaled
- * gradients are stored back. */
-template <typename T, int DEPTH, bool STORE>
+/* This thread's elements of chunk [start, start + len) of tensor i; with UNSCALE the gradients
+ * are divided by the loss scale and stored back. */
+template <typename T, int DEPTH, bool UNSCALE>
 static __device__ __forceinline__ void
 adamw_chunk(const adamw_meta<DEPTH> &meta, int32_t i, int64_t start, int32_t len,
             const tm_adamw_coeffs &c)
@@ -148,7 +154,7 @@ adamw_chunk(const adamw_meta<DEPTH> &meta, int32_t i, int64_t start, int32_t len
     constexpr bool AMS = DEPTH == 5;
     constexpr int32_t VEC = TM_VEC_BYTES / sizeof(T);
     T *p = (T *)meta.ptr[TM_IDX_PARAM][i] + start;
-    T *g = (T *)meta.ptr[TM_IDX_GRAD][i] + start; /* written only with STORE */
+    T *g = (T *)meta.ptr[TM_IDX_GRAD][i] + start; /* written only with UNSCALE */
     T *m = (T *)meta.ptr[TM_IDX_EXP_AVG][i] + start;
     T *v = (T *)meta.ptr[TM_IDX_EXP_AVG_SQ][i] + start;
     T *x = p; /* aligned whenever p is; never accessed without amsgrad */
@@ -159,10 +165,10 @@ adamw_chunk(const adamw_meta<DEPTH> &meta, int32_t i, int64_t start, int32_t len
                          is_aligned16(v) && is_aligned16(x);
     const int32_t nvec = aligned ? len / VEC : 0;
     for (int32_t k = threadIdx.x; k < nvec; k += TM_BLOCK) {
-        adamw_vec<T, AMS, STORE>(p, g, m, v, x, k, c);
+        adamw_vec<T, AMS, UNSCALE>(p, g, m, v, x, k, c);
     }
     for (int32_t k = nvec * VEC + threadIdx.x; k < len; k += TM_BLOCK) {
-        adamw_apply<T, AMS, STORE>(p[k], g[k], m[k], v[k], x + k, c);
+        adamw_apply<T, AMS, UNSCALE>(p[k], g[k], m[k], v[k], x + k, c);
     }
 }
 
@@ -233,7 +239,7 @@ adamw_kernel(const __grid_constant__ adamw_meta<DEPTH> meta, const adamw_args ar
     if (has_chunk) {
         tm_adamw_coeffs c = s_coeffs;
         c.amsgrad = DEPTH == 5; /* a constant, so tm_adamw_elem's branch folds */
-        if (args.store_grads) { /* the same in every thread: no divergence */
+        if (args.loss_scale != NULL) { /* the same in every thread: no divergence */
             adamw_chunk<T, DEPTH, true>(meta, i, start, len, c);
         } else {
             adamw_chunk<T, DEPTH, false>(meta, i, start, len, c);
@@ -365,7 +371,7 @@ cuda_adamw_step(const tm_adamw_tensors *t, const tm_adamw_args *args, const tm_a
     walk.args.skip = (const float *)in->skip.data;
     walk.args.counter = (unsigned int *)exec->scratch;
     walk.args.zero_grads = args->zero_grads_on_skip != 0;
-    walk.args.store_grads = args->store_scaled_grads != 0;
+    walk.args.loss_scale = (const float *)in->loss_scale.data; /* NULL when not given */
     walk.stream = cuda_stream_of(exec);
     for (tm_dtype dtype : dtypes) { /* one launch series per dtype: T is a template parameter */
         walk.dtype = dtype;

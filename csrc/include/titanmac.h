@@ -152,11 +152,6 @@ typedef struct {
     int32_t amsgrad;              /* nonzero: keep max_exp_avg_sq, use its sqrt in the denominator */
     int32_t zero_grads_on_skip;   /* nonzero: when skip is set, zero every grad instead (grads must
                                      then be writable); the DeepNestedOptimizer's NaN guard */
-    int32_t store_scaled_grads;   /* nonzero: a step that is not skipped also stores
-                                     grad * grad_scale into each grad (grads must then be
-                                     writable, and lr, grad_scale and skip must not lie inside
-                                     one); torch's fused AdamW leaves the gradients unscaled so
-                                     under torch.amp.GradScaler */
     int32_t num_groups;           /* >= 1 */
     const tm_adamw_group *groups; /* host array [num_groups] */
     const int32_t *group_of;      /* host array [params.count]; NULL = all in group 0 */
@@ -180,6 +175,12 @@ typedef struct {
     tm_tensor grad_scale; /* float32 [1] multiplied into each grad as it is loaded; optional */
     tm_tensor skip;       /* float32 [1]; when nonzero the call changes nothing (but zeroes the
                              grads with zero_grads_on_skip); optional */
+    tm_tensor loss_scale; /* float32 [1], optional: torch.amp's loss scale, which the grads
+                             still carry. Each grad is divided by it as it is loaded (after
+                             grad_scale), and a step not skipped stores that unscaled value back
+                             into the grad, as torch's fused AdamW does under GradScaler. The
+                             grads must then be writable and disjoint, and lr, grad_scale, skip
+                             and loss_scale must not lie inside one. */
 } tm_adamw_inputs;
 
 /* Scratch the caller must pass to tm_adamw_step (0 on the CPU). On CUDA it holds a completion
@@ -187,7 +188,7 @@ typedef struct {
 size_t tm_adamw_scratch_bytes(const tm_adamw_tensors *t);
 
 /* One AdamW step, the math of torch.optim.AdamW (per tensor: step += 1, then
- *   g  = grad * grad_scale (stored back into grad with store_scaled_grads), negated if maximize
+ *   g  = grad * grad_scale [/ loss_scale, then stored back into grad], negated if maximize
  *   p *= 1 - lr * wd
  *   m  = lerp(m, g, 1 - beta1);  v = beta2 * v + (1 - beta2) * g * g
  *   denom = sqrt(amsgrad ? (vmax = max(vmax, v)) : v) / sqrt(1 - beta2^step) + eps

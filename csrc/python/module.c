@@ -36,7 +36,7 @@ static PyMethodDef module_methods[] = {
     {"adamw_step", KW(py_adamw_step),
      "adamw_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, groups, "
      "group_of=None, *, amsgrad=False, grad_scale=None, skip=None, zero_grads_on_skip=False, "
-     "store_scaled_grads=False, num_threads=1, stream=None, scratch=None)\n--\n\n"
+     "loss_scale=None, num_threads=1, stream=None, scratch=None)\n--\n\n"
      "One AdamW step over lists of tensors (tm_adamw_step)."},
     {"adamw_scratch_bytes", KW(py_adamw_scratch_bytes),
      "adamw_scratch_bytes(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)\n--\n\n"

@@ -11,11 +11,14 @@
 
 /* ---------------------------------------------------------------- AdamW ---- */
 
+/* written_grads: grads the call stores into (a loss_scale given), which must then be disjoint
+ * as the params are. */
 static int
-import_adamw_lists(py_batch *b, PyObject *const lists[6], tm_adamw_tensors *t)
+import_adamw_lists(py_batch *b, PyObject *const lists[6], int written_grads, tm_adamw_tensors *t)
 {
     return py_import_disjoint_list(b, lists[0], "params", &t->params) < 0 ||
-                   py_import_list(b, lists[1], "grads", 0, &t->grads) < 0 ||
+                   (written_grads ? py_import_disjoint_list(b, lists[1], "grads", &t->grads)
+                                  : py_import_list(b, lists[1], "grads", 0, &t->grads)) < 0 ||
                    py_import_list(b, lists[2], "exp_avg", 0, &t->exp_avg) < 0 ||
                    py_import_list(b, lists[3], "exp_avg_sq", 0, &t->exp_avg_sq) < 0 ||
                    py_import_list(b, lists[4], "max_exp_avg_sq", 1, &t->max_exp_avg_sq) < 0 ||
@@ -29,30 +32,30 @@ py_adamw_step(PyObject *module, PyObject *args, PyObject *kwargs)
 {
     static char *kwlist[] = {"params", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs",
                              "steps", "lr", "groups", "group_of", "amsgrad", "grad_scale", "skip",
-                             "zero_grads_on_skip", "store_scaled_grads", "num_threads", "stream",
-                             "scratch", NULL};
+                             "zero_grads_on_skip", "loss_scale", "num_threads", "stream", "scratch",
+                             NULL};
     PyObject *l[6], *lr, *groups, *group_of = Py_None, *grad_scale = Py_None, *skip = Py_None;
-    PyObject *stream = Py_None, *scratch = Py_None;
-    int amsgrad = 0, zero_grads = 0, store_grads = 0, num_threads = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOOO|O$pOOppiOO:adamw_step", kwlist,
+    PyObject *loss_scale = Py_None, *stream = Py_None, *scratch = Py_None;
+    int amsgrad = 0, zero_grads = 0, num_threads = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOOO|O$pOOpOiOO:adamw_step", kwlist,
                                      &l[0], &l[1], &l[2], &l[3], &l[4], &l[5], &lr, &groups,
                                      &group_of, &amsgrad, &grad_scale, &skip, &zero_grads,
-                                     &store_grads, &num_threads, &stream, &scratch)) {
+                                     &loss_scale, &num_threads, &stream, &scratch)) {
         return NULL;
     }
     py_batch b;
     py_call c = {.heap = NULL};
     tm_adamw_tensors t;
-    tm_adamw_args a = {
-        .amsgrad = amsgrad, .zero_grads_on_skip = zero_grads, .store_scaled_grads = store_grads};
+    tm_adamw_args a = {.amsgrad = amsgrad, .zero_grads_on_skip = zero_grads};
     tm_adamw_inputs in;
     tm_status status = TM_OK;
     int ran = 0;
     py_batch_init(&b, py_get_state(module));
-    if (import_adamw_lists(&b, l, &t) < 0 ||
+    if (import_adamw_lists(&b, l, loss_scale != Py_None, &t) < 0 ||
         py_import(&b, lr, "lr", -1, 0, &in.lr, NULL, NULL) < 0 ||
         py_import_optional(&b, grad_scale, "grad_scale", &in.grad_scale) < 0 ||
-        py_import_optional(&b, skip, "skip", &in.skip) < 0 || py_parse_groups(&b, groups, &a) < 0 ||
+        py_import_optional(&b, skip, "skip", &in.skip) < 0 ||
+        py_import_optional(&b, loss_scale, "loss_scale", &in.loss_scale) < 0 || py_parse_groups(&b, groups, &a) < 0 ||
         py_parse_ints(&b, group_of, "group_of", t.params.count, "params", &a.group_of) < 0 ||
         py_setup_call(&b, py_first_or(&t.params, &in.lr), num_threads, stream, scratch,
                       tm_adamw_scratch_bytes(&t), "adamw_scratch_bytes", &c) < 0) {
@@ -78,7 +81,7 @@ py_adamw_scratch_bytes(PyObject *module, PyObject *args, PyObject *kwargs)
     tm_adamw_tensors t;
     PyObject *result = NULL;
     py_batch_init(&b, py_get_state(module));
-    if (import_adamw_lists(&b, l, &t) == 0) {
+    if (import_adamw_lists(&b, l, 0, &t) == 0) {
         result = PyLong_FromSize_t(tm_adamw_scratch_bytes(&t));
     }
     py_batch_release(&b);
