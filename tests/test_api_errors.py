@@ -140,6 +140,26 @@ def test_sparse_gradient():
             r"param_groups\[1\]\['params'\]\[1\]: AdamW does not support sparse gradients")
 
 
+def test_norm_functions_name_a_sparse_gradient_and_scale_nothing():
+    """torch's clip_grad_norm_ and get_total_norm fail on a sparse gradient with a dispatcher
+    message naming no tensor; ours name it (NotImplementedError, as torch's type), before any
+    gradient is scaled."""
+    params = [torch.nn.Parameter(torch.randn(n)) for n in (5, 300, 4)]
+    grads = [torch.randn(n) * 10 for n in (5, 300, 4)]
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    params[1].grad = params[1].grad.to_sparse()
+    with pytest.raises(NotImplementedError):
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+    with pytest.raises(NotImplementedError,
+                       match=r"^parameters\[1\]: torch.sparse_coo tensors are not supported"):
+        titanmac_c.clip_grad_norm_(params, 1.0)
+    with pytest.raises(NotImplementedError,
+                       match=r"^tensors\[1\]: torch.sparse_coo tensors are not supported"):
+        titanmac_c.get_total_norm([p.grad for p in params])
+    assert torch.equal(params[0].grad, grads[0]) and torch.equal(params[2].grad, grads[2])
+
+
 def test_complex_parameter():
     opt, params = _setup()
     z = torch.nn.Parameter(torch.randn(3, dtype=torch.complex64))
