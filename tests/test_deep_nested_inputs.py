@@ -260,6 +260,31 @@ _RESIZED = (r"(numel 5 does not match params\[3\] numel 6 "
 
 
 @pytest.mark.parametrize("kw", MODES, ids=MODE_IDS)
+def test_a_refused_step_leaves_the_last_steps_control_outputs(kw):
+    """After a step the device guard skipped (a NaN loss tensor), a refused step leaves
+    opt.skipped, the clip coefficient and the learning rates as that step left them, not as the
+    refused step's control op wrote them (it would read 0.0: a step that was taken)."""
+    model = make_mlp_10_32_5(seed=0)
+    opt = titanmac_c.DeepNestedOptimizer(model, max_grad_norm=0.5, **kw)
+    for step in range(1, 3):
+        _set(model, _grads(model, step))
+        opt.step(0.5)
+    _set(model, _grads(model, 3))
+    opt.step(torch.tensor(float("nan")))
+    before = [opt.skipped.clone(), opt._coef.clone(), opt._lr.clone()]
+    assert float(before[0]) == 1.0
+    _set(model, _grads(model, 4))  # a clip coefficient below 1 and a step not skipped
+    undo = _spoil_gradient("strided")(model)
+    with pytest.raises(BufferError, match=r"not contiguous"):
+        opt.step(0.5)
+    undo()
+    for a, b in zip(before, [opt.skipped, opt._coef, opt._lr]):
+        assert torch.equal(a, b)
+    opt.step(0.5)
+    assert float(opt.skipped) == 0.0 and float(opt._coef) < 1.0
+
+
+@pytest.mark.parametrize("kw", MODES, ids=MODE_IDS)
 @pytest.mark.parametrize("at", [7, 10], ids=["step7", "step10"])  # 10: Phase 1 in CMS-direct
 @pytest.mark.parametrize("spoil, err, match", [
     (_spoil_gradient("strided"), BufferError,

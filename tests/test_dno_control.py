@@ -109,7 +109,7 @@ def run_ours(st, inp, weights, device, previous=False, **kw):
     coef = torch.full((1,), -7.0, device=device)
     skip = torch.full((1,), -7.0, device=device)
     if previous:
-        kw["previous"] = torch.full((G + 2,), -7.0, device=device)
+        kw["previous"] = torch.full((2 * G + 4,), -9.0, device=device)
     _C.dno_control(d["group_grad"], d["group_param"], d["total_grad"], d["depths"], d["loss"],
                    weights, mu, ema, lr, coef, skip, **kw)
     st["mu"], st["ema"] = mu.cpu(), ema.cpu()
@@ -192,10 +192,10 @@ def test_ema_and_lr_use_the_reference_float_ops(device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("G", [2, 3])
 def test_previous_receives_mu_and_ema_from_before_the_call(device, G):
-    """The optional undo record (the DeepNestedOptimizer restores mu and the loss EMA from it
-    when a later call refuses the step): mu then ema exactly as the call found them, on the
-    first step, controller and other steps and a skipped one; the call's results are the same
-    bits as without it."""
+    """The optional undo record (the DeepNestedOptimizer restores its control state from it
+    when a later call refuses the step): mu, ema, lr, coef and skip exactly as the call found
+    them, on the first step, controller and other steps and a skipped one; the call's results
+    are the same bits as without it."""
     net = make_controller(32, 2, seed=3)
     weights = flat_weights(net, device)
     gen = torch.Generator().manual_seed(5)
@@ -205,7 +205,8 @@ def test_previous_receives_mu_and_ema_from_before_the_call(device, G):
         inp = random_inputs(G, gen)
         if t == 5:
             inp["loss"] = torch.tensor([math.nan])
-        before = torch.cat([with_record["mu"], with_record["ema"]])
+        # lr, coef and skip as run_ours hands them to the op
+        before = torch.cat([with_record["mu"], with_record["ema"], torch.full((G + 2,), -7.0)])
         out = run_ours(with_record, inp, weights, device, previous=True,
                        **ctrl_kwargs(32, 2, **kw))
         out_plain = run_ours(without, inp, weights, device, **ctrl_kwargs(32, 2, **kw))

@@ -124,13 +124,13 @@ def _alias_weights(args, kw, dev):
 
 
 def _previous_size(args, kw, dev):
-    kw["previous"] = torch.zeros(3, device=dev)  # G + 2 = 4
-    return "previous: expected float32 with 4 elements, got float32 with 3"
+    kw["previous"] = torch.zeros(4, device=dev)  # mu and ema only; 2G + 4 = 8 with lr, coef, skip
+    return "previous: expected float32 with 8 elements, got float32 with 4"
 
 
 def _previous_alias(args, kw, dev):
-    buf = torch.full((6,), 0.75, device=dev)
-    args["ema"], kw["previous"] = buf[0:2], buf[1:5]
+    buf = torch.full((10,), 0.75, device=dev)
+    args["ema"], kw["previous"] = buf[0:2], buf[1:9]
     return "ema: shares memory with previous"
 
 

@@ -168,8 +168,13 @@ class ControlStepMixin:
     def _undo_control(self):
         """The C core refused a call of the step after the control op (a tensor that no longer
         matches its state, e.g. after model.half() or `p.data = ...` of another shape): the step
-        did not happen, so the lr multipliers and the loss EMA go back to what the op found
-        (lr, the clip coefficient and the skip flag are rewritten by every step)."""
+        did not happen, so everything the op writes goes back to what it found: the lr
+        multipliers, the loss EMA, the learning rates, the clip coefficient and the skip flag
+        (opt.skipped reads as after the last step taken)."""
         g = N_GROUPS
-        self._lr_multipliers.copy_(self._control_previous[:g])
-        self.ema_loss.copy_(self._control_previous[g:g + 2])
+        prev = self._control_previous
+        self._lr_multipliers.copy_(prev[:g])
+        self.ema_loss.copy_(prev[g:g + 2])
+        self._lr.copy_(prev[g + 2:2 * g + 2])
+        self._coef.copy_(prev[2 * g + 2:2 * g + 3])
+        self.skipped.copy_(prev[2 * g + 3:2 * g + 4])

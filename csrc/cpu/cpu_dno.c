@@ -58,21 +58,25 @@ run_controller(const tm_dno_control_tensors *t, const tm_dno_control_args *a,
     }
 }
 
-/* The optional undo record: mu then ema before this call writes them. */
+/* The optional undo record: mu, ema, lr, coef and skip before this call writes them. */
 static void
 save_previous(const tm_dno_control_tensors *t, int32_t num_groups)
 {
-    if (t->previous.data == NULL) { /* not given (validated: given means numel G + 2) */
+    if (t->previous.data == NULL) { /* not given (validated: given means numel 2G + 4) */
         return;
     }
     float *prev = t->previous.data;
     const float *mu = t->mu.data;
     const float *ema = t->ema.data;
+    const float *lr = t->lr.data;
     for (int32_t g = 0; g < num_groups; g++) {
         prev[g] = mu[g];
+        prev[num_groups + 2 + g] = lr[g];
     }
     prev[num_groups] = ema[0];
     prev[num_groups + 1] = ema[1];
+    prev[2 * num_groups + 2] = *(const float *)t->coef.data;
+    prev[2 * num_groups + 3] = *(const float *)t->skip.data;
 }
 
 tm_status

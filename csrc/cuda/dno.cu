@@ -82,12 +82,16 @@ dno_control_kernel(const __grid_constant__ dno_params p)
     __shared__ float act[2][TM_DNO_MAX_HIDDEN];
     const float loss = p.loss[0];
     const bool run = !p.check_loss || isfinite(loss); /* uniform: every thread reads loss */
-    if (p.previous != NULL && threadIdx.x == 0) { /* only thread 0 writes mu and ema, below */
-        for (int32_t g = 0; g < p.num_groups; g++) {
+    if (p.previous != NULL && threadIdx.x == 0) { /* only thread 0 writes these, below */
+        const int32_t g_count = p.num_groups;
+        for (int32_t g = 0; g < g_count; g++) {
             p.previous[g] = p.mu[g];
+            p.previous[g_count + 2 + g] = p.lr[g];
         }
-        p.previous[p.num_groups] = p.ema[0];
-        p.previous[p.num_groups + 1] = p.ema[1];
+        p.previous[g_count] = p.ema[0];
+        p.previous[g_count + 1] = p.ema[1];
+        p.previous[2 * g_count + 2] = p.coef[0];
+        p.previous[2 * g_count + 3] = p.skip[0];
     }
     if (run && threadIdx.x == 0) {
         for (int k = 0; k < 2; k++) {

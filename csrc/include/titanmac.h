@@ -228,8 +228,9 @@ typedef struct {
     tm_tensor coef;        /* out [1] clip coefficient for tm_adamw_step's grad_scale         */
     tm_tensor skip;        /* out [1] 1.0f when the loss (check_loss) or the clipped norm is
                               non-finite, else 0.0f: tm_adamw_step's skip                     */
-    tm_tensor previous;    /* out [G + 2] optional: mu then ema as they were before this call,
-                              so that a caller can undo the step when a later call refuses it */
+    tm_tensor previous;    /* out [2G + 4] optional: mu, ema, lr, coef and skip as they were
+                              before this call, so that a caller can undo the step when a later
+                              call refuses it */
 } tm_dno_control_tensors;
 
 /* One fused control step, the spec's order: a non-finite loss skips everything (mu, ema

@@ -57,7 +57,7 @@ static PyMethodDef module_methods[] = {
      "skip, *, hidden, layers, update_controller, first_step, check_loss, base_lr, "
      "max_grad_norm, ema_beta=0.1, mu_min=0.1, mu_max=2.0, stream=None, previous=None)\n--\n\n"
      "One DeepNestedOptimizer control step on the tensors' device (tm_dno_control); previous "
-     "[G + 2], when given, receives mu and ema as they were before it."},
+     "[2G + 4], when given, receives mu, ema, lr, coef and skip as they were before it."},
     {"cms_step", KW(py_cms_step),
      "cms_step(params, grads, momentum, accumulated, ema, v_sq, step_counts, lr, group_of, "
      "weights, *, fires, divisors, ema_decays, net, hidden, layers, weight_decay, t, base_lr, "
