@@ -232,7 +232,8 @@ def test_gradients_that_cannot_take_the_unscaled_values_back():
     scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
     scaler.scale(torch.ones(()))
     scaler.step(opt)
-    assert torch.equal(w.grad, torch.full((3, 5), 2.0)) and torch.equal(v.grad, torch.full((8,), 2.0))
+    assert torch.equal(w.grad, torch.full((3, 5), 2.0))
+    assert torch.equal(v.grad, torch.full((8,), 2.0))
     assert float(opt.state[w]["step"]) == 1.0 and not torch.equal(before[0], w.detach())
 
 

@@ -75,9 +75,9 @@ def replicated(mesh, value):
 class ShardedNorms:
     """The tensors of a norm (all DTensors on one device mesh) split by the mesh dimensions they
     are sharded on: parts[dims] = (positions in the caller's list, the local shards the norm
-    reads); positions and tensors: all of them, as given. A Partial tensor is read summed over the ranks (reduced); its
-    own shards, which a clip scales, stay partial (scaling commutes with the sum). names: the
-    user's name of each position (default "<label>[<position>]")."""
+    reads); positions and tensors: all of them, as given. A Partial tensor is read summed over
+    the ranks (reduced); its own shards, which a clip scales, stay partial (scaling commutes
+    with the sum). names: the user's name of each position (default "<label>[<position>]")."""
 
     def __init__(self, label, positions, tensors, names=None):
         cls = dtensor_type()

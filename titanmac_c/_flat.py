@@ -71,6 +71,16 @@ class Batch:
                 if t.shape == p.shape:  # else precheck / the C core name the mismatch
                     tensors[i] = t.permute(order)
 
+    def laid_out_grad(self, name, grad, p):
+        """grad in p's layout (in_layout_of); a copy made for that is recorded, so that a step
+        storing the gradients back (GradScaler's unscale) writes them into the user's .grad, and
+        the batch then gets no Plan (a Plan re-reads .grad)."""
+        laid_out = in_layout_of(grad, p)
+        if laid_out is not grad:
+            self.no_plan = True
+            self.grad_copies.append((name, grad, laid_out))
+        return laid_out
+
     def check_grads_storable(self):
         """Before a step that stores the gradients back (GradScaler's unscale): a gradient taken
         as a copy is written back after the C call, which an expanded one cannot take."""

@@ -282,7 +282,8 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin):
         self._lr = torch.full((N_GROUPS,), self.base_lr, **f32)
         self._coef = torch.ones(1, **f32)
         self.skipped = torch.zeros(1, **f32)  # 1.0 after a step the device-side guards skipped
-        # mu | ema as the last control op found them: a step refused after it is undone from here
+        # mu | ema | lr | coef | skip as the last control op found them: a step refused after it
+        # is undone from here
         self._control_previous = torch.zeros(2 * N_GROUPS + 4, **f32)
         self._graph = GraphState(self) if use_cuda_graph else None
         self.use_cuda_graph = self._graph is not None and self._graph.supported()

@@ -478,10 +478,7 @@ class AdamW(Optimizer):
                     batch.wrappers.append(p)
                     batch.no_plan = True
                     p, grad, tensors = localize(name, p, grad, state, _STATE_KEYS)
-                    laid_out = in_layout_of(grad, p)  # a local gradient in another layout: a copy
-                    if laid_out is not grad:
-                        batch.grad_copies.append((name, grad, laid_out))
-                    grad = laid_out
+                    grad = batch.laid_out_grad(name, grad, p)
                 else:
                     if dtensor is not None:
                         refuse_plain_with_dtensor(name, p, grad, state, _STATE_KEYS)
@@ -490,11 +487,7 @@ class AdamW(Optimizer):
                     for k in _STATE_KEYS:
                         if k in state:
                             state[k] = in_layout_of(state[k], p)
-                    laid_out = in_layout_of(grad, p)
-                    if laid_out is not grad:
-                        batch.no_plan = True
-                        batch.grad_copies.append((name, grad, laid_out))
-                    grad, tensors = laid_out, state
+                    grad, tensors = batch.laid_out_grad(name, grad, p), state
                 batch.group_of.append(gi)
                 batch.params.append(p)
                 batch.grads.append(grad)

@@ -141,9 +141,9 @@ adamw_dispatch(void *p, void *g, void *m, void *v, void *vmax, int64_t n,
 
 #define CPU_DEFINE_ADAMW(DT, DTYPE)                                                                \
     static void adamw_##DT(void *p, void *g, void *m, void *v, void *vmax, int64_t n,              \
-                           const tm_adamw_coeffs *c, int32_t unscale)                           \
+                           const tm_adamw_coeffs *c, int32_t unscale)                              \
     {                                                                                              \
-        adamw_dispatch(p, g, m, v, vmax, n, c, DTYPE, unscale);                                 \
+        adamw_dispatch(p, g, m, v, vmax, n, c, DTYPE, unscale);                                    \
     }
 
 /* ---------------------------------------------------------------- scale ---- */
