@@ -96,6 +96,30 @@ def test_error_if_nonfinite_raises_and_leaves_grads(device, bad):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_error_if_nonfinite_on_a_norm_only_the_gradients_dtype_overflows(device):
+    """Finite fp16 gradients whose norm (84853) passes fp16's max: torch returns the norm in the
+    gradients' dtype and raises on it; so do we (the float32 norm we compute is finite), with
+    nothing scaled and, for the folded clip, nothing left pending."""
+    def grads():
+        p = torch.nn.Parameter(torch.zeros(2, dtype=torch.float16, device=device))
+        p.grad = torch.full((2,), 60000.0, dtype=torch.float16, device=device)
+        return p
+    theirs, ours = grads(), grads()
+    with pytest.raises(RuntimeError, match="non-finite"):
+        torch.nn.utils.clip_grad_norm_([theirs], 1.0, error_if_nonfinite=True)
+    with pytest.raises(RuntimeError, match="non-finite"):
+        titanmac_c.clip_grad_norm_([ours], 1.0, error_if_nonfinite=True)
+    assert torch.equal(ours.grad, theirs.grad)
+    opt = titanmac_c.AdamW([ours], lr=0.1)
+    with pytest.raises(RuntimeError, match="non-finite"):
+        opt.clip_grad_norm_(1.0, error_if_nonfinite=True)
+    opt.step()  # unclipped: the first AdamW step moves each element by lr
+    torch.testing.assert_close(ours.detach(), torch.full_like(ours, -0.1), rtol=1e-3, atol=0)
+    # without the flag the fp16 norm is returned (inf, as torch's) and the clip uses ours
+    assert math.isinf(titanmac_c.clip_grad_norm_([grads()], 1.0))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_error_if_nonfinite_passes_on_finite(device):
     params_a, params_b = _pair(device)
     ours = titanmac_c.clip_grad_norm_(params_a, 0.1, error_if_nonfinite=True)
@@ -129,6 +153,11 @@ def test_edge_cases_like_torch():
     assert float(titanmac_c.get_total_norm([])) == 0.0
     gen = (x for x in [p])  # generators are accepted, as in torch
     titanmac_c.clip_grad_norm_(gen, 1.0)
+    with pytest.warns(UserWarning, match="empty generator") as record:  # torch's warning: a
+        titanmac_c.clip_grad_norm_(gen, 1.0)  # model.parameters() generator used up
+    assert record[0].filename == __file__
+    with pytest.raises(TypeError, match=r"tensors\[1\]: expected a tensor, got float"):
+        titanmac_c.get_total_norm([p.grad, 3.0])  # torch: TypeError too
 
 
 @pytest.mark.parametrize("norm_type", [0.0, -1.0, -math.inf, math.nan])
@@ -186,6 +215,36 @@ def test_clip_method_with_a_precomputed_norm():
         ours_b.step()
     for a, b in zip(params_a, params_b):
         assert torch.equal(a, b)
+
+
+def test_clip_method_takes_the_norm_as_the_functions_return_it():
+    """total_norm= as get_total_norm returns it (the gradients' dtype: bf16 here), a Python or
+    NumPy number, a float64 tensor: the coefficient comes from its value (in float32) and the
+    result has its dtype; the step equals one given the same value as a float32 tensor."""
+    import numpy as np
+
+    norm64 = torch.tensor(0.8125, dtype=torch.float64)
+    for given in (0.8125, np.float32(0.8125), norm64, norm64.to(torch.bfloat16)):
+        params_a = make_params(SIZES, "cpu", dtype=torch.bfloat16)
+        params_b = clone_params(params_a)
+        ours_a, ours_b = (titanmac_c.AdamW(ps, lr=1e-2) for ps in (params_a, params_b))
+        for step in range(3):
+            set_grads(params_a, params_b, step, scale=0.05)
+            n_a = ours_a.clip_grad_norm_(0.5, total_norm=given)
+            n_b = ours_b.clip_grad_norm_(0.5, total_norm=torch.tensor(0.8125))
+            want = given.dtype if isinstance(given, torch.Tensor) else torch.float32
+            assert n_a.dtype == want and float(n_a) == 0.8125 and n_a.shape == ()
+            ours_a.step()
+            ours_b.step()
+        for a, b in zip(params_a, params_b):
+            assert torch.equal(a, b)
+    opt = titanmac_c.AdamW(params_a)
+    with pytest.raises(TypeError, match="total_norm: expected a tensor or a number, got str"):
+        opt.clip_grad_norm_(1.0, total_norm="1.0")
+    with pytest.raises(ValueError, match="total_norm: expected one floating-point element"):
+        opt.clip_grad_norm_(1.0, total_norm=torch.ones(2))
+    with pytest.raises(ValueError, match="total_norm: expected one floating-point element"):
+        opt.clip_grad_norm_(1.0, total_norm=torch.tensor(1))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -14,6 +14,8 @@ Differences from torch (also listed in the README):
   (_distributed.ShardedNorms); the norm is returned as a replicated DTensor, as torch's.
 """
 
+import types
+import warnings
 from collections import namedtuple
 
 import torch
@@ -66,14 +68,19 @@ def _check_max_norm(max_norm) -> float:
     return max_norm
 
 
-def _by_device(tensors):
+def _by_device(label, tensors):
     """The tensors that are not None grouped by device, in first-seen order, each group as
     (their positions in tensors, the tensors): the C core numbers each call's own list, and an
     error names the user's position instead (_call_named)."""
     groups = {}
     for i, t in enumerate(tensors):
         if t is not None:
-            positions, ts = groups.setdefault(t.device, ([], []))
+            try:
+                device = t.device
+            except AttributeError:
+                raise TypeError(f"{label}[{i}]: expected a tensor, got "
+                                f"{type(t).__name__}") from None
+            positions, ts = groups.setdefault(device, ([], []))
             positions.append(i)
             ts.append(t)
     return groups
@@ -182,7 +189,7 @@ def get_total_norm(tensors, norm_type=2.0, error_if_nonfinite=False, foreach=Non
     if sharded is not None:
         total = sharded.total(_local_norm("tensors", norm_type), norm_type)
     else:
-        by_device = _by_device(tensors)
+        by_device = _by_device("tensors", tensors)
         totals = [_total_on_device("tensors", *placed, norm_type, dev)[1]
                   for dev, placed in by_device.items()]
         total = _combine_totals(totals, list(by_device), norm_type)
@@ -202,7 +209,14 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
     error_if_nonfinite=True. `foreach` is accepted and ignored.
     """
     del foreach
-    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    if isinstance(parameters, torch.Tensor):
+        params = [parameters]
+    else:
+        params = list(parameters)
+        if not params and isinstance(parameters, types.GeneratorType):
+            # torch's warning: most often a model.parameters() generator already used up
+            warnings.warn("`parameters` is an empty generator, no gradient clipping will occur.",
+                          stacklevel=2)
     all_grads = [p.grad for p in params]
     grads = [g for g in all_grads if g is not None]
     max_norm = _check_max_norm(max_norm)
@@ -213,7 +227,7 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
     if sharded is not None:
         return _clip_sharded(sharded, max_norm, norm_type, error_if_nonfinite,
                              _result_dtype(grads))
-    by_device = _by_device(all_grads)
+    by_device = _by_device("parameters", all_grads)
     devices = list(by_device)
     single = len(devices) == 1
     with prof.step_range(prof.STATS):
@@ -221,8 +235,10 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
                                     max_norm if single else None)
                    for dev, placed in by_device.items()]
     total = _combine_totals([b[1] for b in buffers], devices, norm_type)
-    if error_if_nonfinite:
-        _raise_if_nonfinite(total, norm_type)
+    dtype = _result_dtype(grads)  # returned in the gradients' dtype, as torch's
+    result = total if dtype == torch.float32 else total.to(dtype)
+    if error_if_nonfinite:  # on the norm as returned: an fp16 one is inf where the float32 one
+        _raise_if_nonfinite(result, norm_type)  # is finite, and torch raises there
     if not single:  # one C call per device: what one would refuse, refused before any
         for positions, device_grads in by_device.values():
             _refuse_expanded(positions, device_grads)
@@ -233,8 +249,7 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
                 _C.clip_coef(total.reshape(1).to(device), max_norm, coef,
                              stream=exec_kwargs(device).get("stream"))
             _scale_grads(device, positions, device_grads, coef)
-    dtype = _result_dtype(grads)
-    return total if dtype == torch.float32 else total.to(dtype)
+    return result
 
 
 def _clip_sharded(sharded, max_norm, norm_type, error_if_nonfinite, dtype):
@@ -243,7 +258,7 @@ def _clip_sharded(sharded, max_norm, norm_type, error_if_nonfinite, dtype):
     with prof.step_range(prof.STATS):
         total = sharded.total(_local_norm("parameters", norm_type), norm_type)
     if error_if_nonfinite:
-        _raise_if_nonfinite(total, norm_type)
+        _raise_if_nonfinite(total.to(dtype), norm_type)
     device = total.device
     coef = torch.empty(1, dtype=torch.float32, device=device)
     _C.clip_coef(total.reshape(1), max_norm, coef, stream=exec_kwargs(device).get("stream"))

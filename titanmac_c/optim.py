@@ -50,6 +50,20 @@ def _scalar(name, value):
     return value
 
 
+def _given_total_norm(total_norm, device):
+    """clip_grad_norm_'s total_norm as a one-element floating tensor on the gradients' device
+    (a number becomes a float32 one); its dtype is the result's."""
+    if isinstance(total_norm, numbers.Real) and not isinstance(total_norm, bool):
+        return torch.tensor([float(total_norm)], dtype=torch.float32, device=device)
+    if not isinstance(total_norm, Tensor):
+        raise TypeError(f"total_norm: expected a tensor or a number, got "
+                        f"{type(total_norm).__name__}")
+    if total_norm.numel() != 1 or not total_norm.is_floating_point():
+        raise ValueError(f"total_norm: expected one floating-point element, got "
+                         f"{total_norm.dtype} with {total_norm.numel()} elements")
+    return total_norm.detach().to(device)  # torch's clip also moves the norm to each device
+
+
 class _AmpScaling:
     """What torch.amp.GradScaler hands step() of an optimizer with _step_supports_amp_scaling:
     the attributes grad_scale (the loss scale the gradients still carry, None once unscale_ ran)
@@ -269,8 +283,9 @@ class AdamW(Optimizer):
         """Total norm of all gradients of this optimizer's parameters (a tensor); the next step()
         multiplies each gradient by min(1, max_norm / (norm + 1e-6)) as it loads it.
 
-        total_norm: a float32 tensor holding the norm already (e.g. group_norms().total_grad);
-        then no pass over the gradients is made here. The gradients themselves are not
+        total_norm: the norm already computed (e.g. group_norms().total_grad, or what
+        get_total_norm returned): a one-element floating tensor or a number; then no pass over
+        the gradients is made here, and the result has its dtype. The gradients themselves are not
         modified. zero_grad() forgets a pending coefficient; load_state_dict() keeps it.
         """
         from .functional import (_check_max_norm, _check_norm_type, _local_norm,
@@ -302,6 +317,8 @@ class AdamW(Optimizer):
         if is_dtensor(total_norm):  # returned as it came, a replicated DTensor
             mesh, total_norm = total_norm.device_mesh, total_norm.full_tensor()
         device = grads[0].device
+        if total_norm is not None:
+            total_norm = _given_total_norm(total_norm, device)
         buf = torch.empty(2, dtype=torch.float32, device=device)
         kwargs = exec_kwargs(device)
         if sharded is not None:  # DTensors: the norm over all ranks, then the coefficient
@@ -319,11 +336,8 @@ class AdamW(Optimizer):
                 call_dense(run, grads, read_only=True)
             total = buf[0:1]
         else:
-            total = total_norm.detach().reshape(1)
+            total = total_norm.reshape(1).to(torch.float32)
             _C.clip_coef(total, max_norm, buf[1:2], stream=kwargs.get("stream"))
-        if error_if_nonfinite:
-            _raise_if_nonfinite(total, norm_type)
-        self._clip_coef = {device: buf[1:2]}
         # in the gradients' dtype, as torch's clip_grad_norm_ returns it (the coefficient comes
         # from the float32 norm)
         if total_norm is not None:
@@ -331,6 +345,9 @@ class AdamW(Optimizer):
         elif dtype is None:
             dtype = _result_dtype(grads)
         result = total[0] if dtype == torch.float32 else total[0].to(dtype)
+        if error_if_nonfinite:  # the norm as returned: an fp16 one is inf where the float32 one
+            _raise_if_nonfinite(result, norm_type)  # is finite, and torch raises there
+        self._clip_coef = {device: buf[1:2]}
         return result if mesh is None else replicated(mesh, result)
 
     @torch.no_grad()
