@@ -96,6 +96,49 @@ def test_tensor_betas_stay_tensors_and_a_schedule_changing_them_in_place_acts(de
     assert_state_close(ours, theirs, params_a, params_b, tol(torch.float32, device))
 
 
+def test_tensor_betas_on_the_cpu_changed_without_a_version_bump_act():
+    """Writes through .data or NumPy bump no version counter; a CPU tensor beta is read at every
+    step (no sync to save), so they act as on torch's."""
+    params_a = make_params([5, 300], "cpu")
+    params_b = clone_params(params_a)
+    opts = [cls(ps, lr=1e-2, betas=(torch.tensor(0.9), torch.tensor(0.999)), **kw)
+            for cls, ps, kw in ((titanmac_c.AdamW, params_a, {}),
+                                (torch.optim.AdamW, params_b, dict(foreach=False)))]
+    for step in range(6):
+        set_grads(params_a, params_b, step)
+        for opt in opts:
+            opt.step()
+            beta1, beta2 = opt.param_groups[0]["betas"]
+            beta1.data.fill_(0.3 * (step % 2))
+            beta2.numpy()[...] = 0.99 - 0.01 * step
+    assert_state_close(*opts, params_a, params_b, tol(torch.float32, "cpu"))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_schedule_installing_new_tensor_betas_keeps_no_old_one_alive(device):
+    """A momentum schedule that assigns fresh tensors each step: each is read, and the ones
+    replaced are freed (the optimizer keeps none of them)."""
+    import gc
+    import weakref
+
+    params_a = make_params([3, 1000], device)
+    params_b = clone_params(params_a)
+    ours = titanmac_c.AdamW(params_a, lr=1e-2)
+    theirs = torch.optim.AdamW(params_b, lr=1e-2, foreach=False)
+    old = []
+    for step in range(12):
+        set_grads(params_a, params_b, step)
+        for opt in (ours, theirs):
+            opt.param_groups[0]["betas"] = (torch.tensor(0.9 - 0.05 * step, device=device),
+                                            torch.tensor(0.999 - 0.001 * step, device=device))
+        old.extend(weakref.ref(b) for b in ours.param_groups[0]["betas"])
+        ours.step()
+        theirs.step()
+    gc.collect()
+    assert sum(r() is not None for r in old) == 2  # the two the group holds now
+    assert_state_close(ours, theirs, params_a, params_b, tol(torch.float32, device))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_parity_float_lr_cosine_schedule(device):
     params_a = make_params([65537, 7], device)

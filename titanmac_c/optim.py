@@ -182,7 +182,9 @@ class AdamW(Optimizer):
         self._lr_cache = {}  # device -> (host lr values, float32 tensor on device)
         self._clip_coef = {}  # device -> float32 [1] coefficient for the next step()
         self._plan = None  # _flat.Plan of the last full step, when it can be reused
-        self._beta_values = {}  # id of a tensor beta -> (it, its _version, its float)
+        # (group, 0 or 1) -> (the tensor beta there, its _version, its float): one entry a slot,
+        # so a schedule that installs new tensors keeps none of the old ones alive
+        self._beta_values = {}
 
     def __setstate__(self, state):
         super().__setstate__(state)
@@ -518,14 +520,17 @@ class AdamW(Optimizer):
             batch.permute_dense()
         return list(batches.values()), new_state, groups, lrs
 
-    def _beta_value(self, beta):
-        """A beta's float. A tensor's is read once per version (an in-place change bumps it): a
-        tensor on the GPU costs a sync only when a schedule changed it."""
+    def _beta_value(self, slot, beta):
+        """A beta's float. A tensor on the CPU is read every step (no sync); one on a device is
+        read once per version (an in-place op bumps it), so it costs a sync only when a
+        schedule changed it."""
         if not isinstance(beta, Tensor):
             return beta
-        cached = self._beta_values.get(id(beta))
+        if beta.device.type == "cpu":
+            return _scalar("betas", beta)
+        cached = self._beta_values.get(slot)
         if cached is None or cached[0] is not beta or cached[1] != beta._version:
-            cached = self._beta_values[id(beta)] = (beta, beta._version, _scalar("betas", beta))
+            cached = self._beta_values[slot] = (beta, beta._version, _scalar("betas", beta))
         return cached[2]
 
     def _group_hparams(self, gi, group):
@@ -537,7 +542,7 @@ class AdamW(Optimizer):
             lr = float(lr)
             if not (math.isfinite(lr) and lr >= 0.0):
                 raise ValueError(f"{where}['lr'] = {lr}: must be finite and >= 0")
-        beta1, beta2 = map(self._beta_value, group["betas"])
+        beta1, beta2 = (self._beta_value((gi, k), b) for k, b in enumerate(group["betas"]))
         return (
             float_in_range(f"{where}['betas'][0]", beta1, 0.0, 1.0),
             float_in_range(f"{where}['betas'][1]", beta2, 0.0, 1.0),
