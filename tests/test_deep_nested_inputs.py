@@ -212,6 +212,41 @@ def test_constructor_refuses(kw, err, match):
         titanmac_c.DeepNestedOptimizer(make_mlp_10_32_5(seed=0), use_cms_updates=True, **kw)
 
 
+@pytest.mark.parametrize("kw, match", [
+    (dict(use_cms_updates=True, cms_frequencies=[1, 10, 100, 1000, 10000]),
+     r"len\(cms_frequencies\) = 5: titanmac_c takes at most 4"),
+    (dict(use_cms_updates=True, momentum_num_layers=9), "momentum_num_layers = 9: .* at most 8"),
+    (dict(use_cms_updates=True, use_preprocessing=False, momentum_hidden_dim=257),
+     "momentum_hidden_dim = 257: .* at most 256"),
+    (dict(controller_hidden_dim=1025), "controller_hidden_dim = 1025: .* at most 1024"),
+    (dict(controller_num_layers=129), "controller_num_layers = 129: .* at most 128"),
+])
+def test_sizes_beyond_the_c_cores_arrays_are_refused_at_construction(kw, match):
+    """The reference builds any size; the C core's fixed arrays take these at most: refused when
+    the optimizer is built (not at every step after), saying so."""
+    with pytest.raises(ValueError, match=match):
+        titanmac_c.DeepNestedOptimizer(make_mlp_10_32_5(seed=0), **kw)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(use_cms_updates=True, cms_frequencies=[1, 2, 4, 8], momentum_num_layers=8),
+    dict(use_cms_updates=True, use_preprocessing=False, momentum_hidden_dim=256,
+         cms_frequencies=[1, 2, 3, 4]),
+    dict(controller_hidden_dim=1024, controller_num_layers=3),
+    dict(use_cms_updates=True, controller_num_layers=0, momentum_num_layers=0),  # as 1: reference
+])
+def test_sizes_at_the_limits_and_zero_layers_train_as_the_reference(kw):
+    """At the C core's limits, and with 0 layers (the reference's networks are then built as
+    with 1), 12 steps match the reference."""
+    (model_ref, ref), (model_ours, ours) = reference_and_ours(make_mlp_10_32_5(seed=3), **kw)
+    assert (ours.controller.state_dict().keys() == ref.controller.state_dict().keys()
+            and ours.momentum_mlp.state_dict().keys() == ref.momentum_mlp.state_dict().keys())
+    for step in range(1, 13):
+        _step_all(step, (model_ref, ref), (model_ours, ours))
+    for pr, po in zip(model_ref.parameters(), model_ours.parameters()):
+        torch.testing.assert_close(po, pr, rtol=1e-4, atol=1e-6)
+
+
 def test_legacy_network_of_width_one_is_accepted():
     model = make_mlp_10_32_5(seed=0)
     opt = titanmac_c.DeepNestedOptimizer(model, use_cms_updates=True, use_preprocessing=False,

@@ -114,6 +114,23 @@ def _check_frequencies(cms_frequencies, consistent):
     return freqs
 
 
+def _check_c_limits(opt):
+    """The sizes the C core's fixed arrays take, checked when the optimizer is built (the
+    reference takes any). The momentum network runs only in CMS mode; the controller always."""
+    limits = [("controller_hidden_dim", opt.controller_hidden_dim, _C.DNO_MAX_HIDDEN),
+              ("controller_num_layers", opt.controller_num_layers, _C.DNO_MAX_LAYERS)]
+    if opt.use_cms_updates:
+        limits += [("len(cms_frequencies)", len(opt.cms_frequencies), _C.CMS_MAX_LEVELS),
+                   ("momentum_num_layers", opt.momentum_num_layers, _C.CMS_MAX_LAYERS)]
+        if not opt.use_preprocessing:  # the DirectUpdateMLP is capped at 20 as in the reference
+            limits.append(("momentum_hidden_dim", opt.momentum_hidden_dim,
+                           _C.CMS_LEGACY_MAX_HIDDEN))
+    for name, value, most in limits:
+        if value > most:
+            raise ValueError(f"{name} = {value}: titanmac_c takes at most {most} (the size of "
+                             "the C core's fixed arrays; the reference takes any)")
+
+
 def _check_float(name, value, low=0.0):
     value = float(value)
     if not (math.isfinite(value) and value >= low):
@@ -187,9 +204,12 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin):
         # reference fails there with an IndexError)
         self.momentum_hidden_dim = _check_int("momentum_hidden_dim", momentum_hidden_dim,
                                               2 if use_preprocessing else 1)
-        self.momentum_num_layers = _check_int("momentum_num_layers", momentum_num_layers, 1)
+        # 0 layers: the reference's networks are then built as with 1 (no hidden layer)
+        self.momentum_num_layers = max(1, _check_int("momentum_num_layers",
+                                                     momentum_num_layers, 0))
         self.controller_hidden_dim = _check_int("controller_hidden_dim", controller_hidden_dim, 1)
-        self.controller_num_layers = _check_int("controller_num_layers", controller_num_layers, 1)
+        self.controller_num_layers = max(1, _check_int("controller_num_layers",
+                                                       controller_num_layers, 0))
         self.use_gradient_checkpointing = bool(use_gradient_checkpointing)
         self.mode = mode
         # simple mode divides by it; explicit mode only sizes the meta trainer's window
@@ -208,6 +228,7 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin):
                                                  controller_update_freq, 1)
         self.cuda_graph_warmup_steps = _check_int("cuda_graph_warmup_steps",
                                                   cuda_graph_warmup_steps, 0)
+        _check_c_limits(self)
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("model has no parameters that require gradients")

@@ -14,6 +14,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../common/tm_cms_math.h" /* the networks' size limits, exported below */
+
 static PyObject *
 py_cpu_isa(PyObject *module, PyObject *unused)
 {
@@ -130,6 +132,16 @@ module_exec(PyObject *module)
         st->s_exchange_api == NULL || st->s_exchange_legacy == NULL ||
         st->kw_stream_version == NULL || st->kw_stream == NULL || st->max_version == NULL ||
         st->minus_one == NULL) {
+        return -1;
+    }
+    /* The sizes the C core's fixed arrays take (stack, shared memory, kernel parameters), so
+     * the DeepNestedOptimizer refuses a larger configuration when it is built, not at its first
+     * step. */
+    if (PyModule_AddIntConstant(module, "CMS_MAX_LEVELS", TM_CMS_MAX_LEVELS) < 0 ||
+        PyModule_AddIntConstant(module, "CMS_MAX_LAYERS", TM_CMS_MAX_LAYERS) < 0 ||
+        PyModule_AddIntConstant(module, "CMS_LEGACY_MAX_HIDDEN", TM_CMS_LEGACY_MAX_HIDDEN) < 0 ||
+        PyModule_AddIntConstant(module, "DNO_MAX_HIDDEN", TM_DNO_MAX_HIDDEN) < 0 ||
+        PyModule_AddIntConstant(module, "DNO_MAX_LAYERS", TM_DNO_MAX_LAYERS) < 0) {
         return -1;
     }
     return 0;
