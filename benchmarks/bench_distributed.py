@@ -112,7 +112,7 @@ def _rank_main(rank, args, init_file):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--world", type=int, default=1, help="ranks (processes)")
     parser.add_argument("--layers", type=int, default=100)

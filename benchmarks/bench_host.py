@@ -67,7 +67,7 @@ def dno_row(device, steps):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--counts", default="48,1000")
     parser.add_argument("--steps", type=int, default=1000)

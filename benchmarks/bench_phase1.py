@@ -94,7 +94,7 @@ def measure(kind, device, reps, steps, fixed):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--steps", type=int, default=5, help="training steps before measuring")

@@ -23,7 +23,7 @@ Shape sets: CPU 1M / 10M / 50M parameters in 50 / 200 / 500 tensors; CUDA the Ti
 1000t (10M in 1,000 tensors, for the host time per tensor).
 
 Usage: python benchmarks/bench_step.py [--device cpu|cuda] [--sizes ...] [--reps N]
-                                       [--out benchmarks/out/bench_step.json]
+                                       [--out benchmarks/out/bench_step_cpu.json]
 """
 
 import argparse
@@ -37,6 +37,8 @@ import time
 import torch
 
 import titanmac_c
+
+OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
 
 SHAPES = {"1M": (1_000_000, 50), "10M": (10_000_000, 200), "50M": (50_000_000, 500),
           "1000t": (10_000_000, 1000)}  # many tensors: the host time of a 1,000-tensor step
@@ -280,15 +282,17 @@ def print_table(rows):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--sizes", default=None,
                         help="shape sets: 1M,10M,50M (CPU default), titanmac,gpt2,1b,1000t "
                              "(CUDA default)")
     parser.add_argument("--reps", type=int, default=7)
-    parser.add_argument("--out", default=os.path.join("benchmarks", "out", "bench_step.json"))
+    parser.add_argument("--out", default=None,
+                        help="JSON results (default benchmarks/out/bench_step_<device>.json)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
+    args.out = args.out or os.path.join(OUT_DIR, f"bench_step_{device.type}.json")
     timer = Timer(device)
     rows = []
     sizes = args.sizes or ("titanmac,gpt2,1b,1000t" if device.type == "cuda" else "1M,10M,50M")

@@ -12,7 +12,7 @@ to the bytes the optimizer keeps as state.
 
 Usage: python benchmarks/bench_train.py [--device cpu|cuda] [--mode adamw|cms] [--steps 60]
                                         [--net direct|legacy] (CMS mode's momentum network)
-                                        [--warmup 5] [--out benchmarks/out/bench_train.json]
+                                        [--warmup 5] [--out benchmarks/out/bench_train_cpu.json]
 """
 
 import argparse
@@ -27,7 +27,9 @@ import warnings
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+HERE = os.path.dirname(os.path.abspath(__file__))
+OUT_DIR = os.path.join(HERE, "out")
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 from dno_models import loss_fn, make_titanmac_like_model, synthetic_batches  # noqa: E402
 
 import titanmac_c  # noqa: E402
@@ -125,7 +127,7 @@ IMPLS = ("reference", "titanmac_c", "titanmac_c_graph")
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--mode", choices=("adamw", "cms"), default="adamw")
     parser.add_argument("--net", choices=("direct", "legacy"), default="direct",
@@ -134,9 +136,14 @@ def main(argv=None):
     parser.add_argument("--only", choices=IMPLS, help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--out", default=os.path.join("benchmarks", "out", "bench_train.json"))
+    parser.add_argument("--out", default=None,
+                        help="JSON results (default benchmarks/out/bench_train[_cms|_legacy]_"
+                             "<device>.json, the name profile_step.py --compare looks for)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
+    if args.out is None:
+        kind = "" if args.mode == "adamw" else ("_cms" if args.net == "direct" else "_legacy")
+        args.out = os.path.join(OUT_DIR, f"bench_train{kind}_{device.type}.json")
     batches = synthetic_batches("titanmac", args.warmup + args.steps + 1, seed=0, device=device)
     if args.only:  # a child process: one implementation, its row as JSON on the last line
         run = train(args.only, device, args.steps, args.warmup, batches, args.mode, args.net)

@@ -39,10 +39,11 @@ def run(mode, fix, steps, device, batches):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--out", default=os.path.join("benchmarks", "out", "corrections.json"))
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                      "out", "corrections.json"))
     args = parser.parse_args(argv)
     batches = synthetic_batches("titanmac", args.steps, seed=0, device=args.device)
     rows = [run(mode, fix, args.steps, args.device, batches)

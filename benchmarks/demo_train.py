@@ -37,7 +37,7 @@ def train_step(model, opt, x, y, clip):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--width", type=int, default=512)
     args = parser.parse_args(argv)

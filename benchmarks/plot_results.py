@@ -226,7 +226,7 @@ def make_figures(inputs):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--inputs", nargs="*", default=None,
                         help="JSON files (default: benchmarks/out/*.json)")
     parser.add_argument("--out", default=os.path.join(HERE, "plots"), help="output folder")

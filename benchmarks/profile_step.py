@@ -535,7 +535,7 @@ def print_report(size_result, device):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--sizes", default="titanmac",
                         help="comma list: titanmac (3.2M, bench_train's model), d<width>l<layers>")

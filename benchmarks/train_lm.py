@@ -18,14 +18,14 @@ optimizer. It shows the three things a training loop around DeepNestedOptimizer 
 * No host syncs in the loop. step() takes the loss as a 0-d tensor (no loss.item()); the loss is
   read on the host only every --log-every steps.
 
-The learning-rate schedule is set through opt.base_lr (DeepNestedOptimizer overwrites the lr of
-its param groups with base_lr * mu every step, so torch.optim.lr_scheduler does not apply).
+The learning-rate schedule is set through opt.base_lr (DeepNestedOptimizer computes its rates as
+base_lr * mu and does not read its groups' lr, so torch.optim.lr_scheduler does not apply).
 
 Data: a generated English-like text (deterministic, ~180k characters, so the script needs no
 download), or --text FILE for your own (a plain text file; characters are the tokens). 90% train,
 10% validation.
 
-    python benchmarks/train_lm.py                  # CPU or CUDA, 0.8M parameters, ~30 s on 2 cores
+    python benchmarks/train_lm.py                  # CPU or CUDA, 0.8M parameters, ~75 s on 2 cores
     python benchmarks/train_lm.py --device cuda --amp fp16 --accum 4 --steps 2000
     python benchmarks/train_lm.py --text my.txt --d-model 384 --layers 6 --save lm.pt
 
@@ -294,7 +294,7 @@ def build_optimizer(kind, model, args):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--steps", type=int, default=200, help="optimizer steps")
     p.add_argument("--batch-size", type=int, default=16, help="sequences per micro-batch")

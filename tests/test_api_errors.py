@@ -2,6 +2,7 @@
 parameters and optimizer state bitwise unchanged."""
 
 import copy
+import os
 import math
 import re
 
@@ -407,3 +408,24 @@ def test_clip_refuses_gradients_sharing_memory_and_names_parameters():
     with pytest.raises(BufferError, match=r"^grads\[1\]: .*float64.*\(parameters\[2\]\)$"):
         titanmac_c.clip_grad_norm_([a, b, c], 1.0)
     assert torch.equal(a.grad, torch.full((6,), 3.0))
+
+
+def test_errors_name_the_tensor_under_titanmac_debug():
+    """TITANMAC_DEBUG=1 (read once per process) puts "file.c:line: " before the C core's message;
+    the user's name of the tensor is still appended."""
+    import subprocess
+    import sys
+
+    script = (
+        "import torch, titanmac_c\n"
+        "ps = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(11))]\n"
+        "for p in ps: p.grad = torch.ones_like(p)\n"
+        "opt = titanmac_c.AdamW([{'params': [ps[0]]}, {'params': [ps[1]]}]); opt.step()\n"
+        "opt.state[ps[1]]['exp_avg_sq'] = torch.zeros(12)\n"
+        "try: opt.step()\n"
+        "except ValueError as e: print(e)\n")
+    env = dict(os.environ, TITANMAC_DEBUG="1")
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                         check=True).stdout.strip()
+    assert re.fullmatch(r"tm_\w+\.c:\d+: exp_avg_sq\[1\]: numel 12 does not match params\[1\] "
+                        r"numel 11 \(param_groups\[1\]\['params'\]\[0\]\)", out), out

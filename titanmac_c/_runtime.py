@@ -124,6 +124,8 @@ class Scratch:
 
 # "<list>[<i>]", or "<list>[<level>][<i>]" for the CMS state's lists (one per level)
 _LIST_INDEX = re.compile(r"(\w+)(\[\d+\])?\[(\d+)\]")
+# the C core's "file.c:123: " before the message under TITANMAC_DEBUG=1
+_DEBUG_PREFIX = re.compile(r"[\w.]+:\d+: ")
 
 
 def reraise_with_names(exc: Exception, flat_names, group_names=None, lists=None, level_lists=()):
@@ -134,9 +136,11 @@ def reraise_with_names(exc: Exception, flat_names, group_names=None, lists=None,
     flat_names follows (None: every list of the call shares it); level_lists: names of the lists
     of such lists, one per level, named "<list>[<level>]" by the C core."""
     message = str(exc)
+    prefix = _DEBUG_PREFIX.match(message)
+    start = prefix.end() if prefix else 0
     named = []  # (label, name) of every tensor mentioned, the first at the message's start
     for match in _LIST_INDEX.finditer(message):
-        if not named and match.start() != 0:
+        if not named and match.start() != start:
             break
         label, index = match.group(0), int(match.group(3))
         is_level, name = match.group(2) is not None, match.group(1)

@@ -1,7 +1,7 @@
 """titanmac_c.DeepNestedOptimizer: TitanMAC's DeepNestedOptimizer (same constructor, same step()
 results, same checkpoints) with the step run by the C core.
 
-Specification: shared/reference/deep_nested_optimizer.md (section numbers below refer to it); the
+Specification: docs/deep_nested_optimizer.md (section numbers below refer to it); the
 executable spec is titanmac_c._reference_dno. One step in AdamW mode is three calls into C:
 
   1. tm_norms         one pass over the gradients (and, on controller steps, the parameters):
@@ -24,8 +24,8 @@ meta-updates train them with torch autograd, as the reference does.
 
 CMS mode (use_cms_updates=True, spec 7): the same statistics/control calls, then Phase 1 (the
 surrogate training of DirectUpdateMLP every 5 steps: its gradient from the C core on the CPU,
-tm_cms_surrogate, and from torch autograd with the reference's branches as device-side selects on
-CUDA; the reference's clip and Adam step) and Phase 2 as one call of the C core (tm_cms_step:
+tm_cms_surrogate, and from the same algorithm in torch ops on CUDA, _surrogate.py, no autograd
+and no host read; the reference's clip and Adam step) and Phase 2 as one call of the C core (tm_cms_step:
 accumulation, level firings, EMAs, the momentum network per element or per tensor, the clamp,
 the NaN skips, the sqrt(n) combination, weight decay and the update). CMS buffers exist only in
 CMS mode.

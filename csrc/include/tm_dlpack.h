@@ -3,7 +3,7 @@
  * devices, dtypes, DLTensor, the legacy and versioned managed tensors, their flags, and the C
  * exchange table torch puts on its tensor type (`__dlpack_c_exchange_api__`).
  *
- * Written from the field tables of shared/reference/dlpack.md (sections 1.2 to 1.4 and 4.1), not
+ * Written from the field tables of docs/dlpack.md (sections 1.2 to 1.4 and 4.1), not
  * copied from dmlc/dlpack's header: the ABI is the contract, and the asserts at the bottom lock
  * every size and offset we rely on (48/64/80/16/56 bytes on LP64), so a wrong declaration fails
  * the build instead of corrupting memory. Only the bindings (csrc/python/) include this file.

@@ -3,7 +3,7 @@
  * The exchange table of a type (`__dlpack_c_exchange_api__`, DLPack 1.3; the 1.2-era
  * `__c_dlpack_exchange_api__`), looked up once per type. One DLTensor (+ flags) becomes a
  * tm_tensor after the checks every consumer makes (numpy dlpack.c, nanobind, section 6 of
- * shared/reference/dlpack.md): device (cpu, pinned host, or cuda), dtype (float32, float16,
+ * docs/dlpack.md): device (cpu, pinned host, or cuda), dtype (float32, float16,
  * bfloat16; lanes 1), shape, C-contiguity ignoring size-1 dims (torch <= 2.9 rewrote their
  * strides to 1; NULL strides = compact), data + byte_offset, READ_ONLY. And the labelled errors
  * ("grads[3]: ...") of the importer. No ownership here: that is dlpack_import.c's.

@@ -1,7 +1,7 @@
 /*
  * dlpack_import.c -- Python object -> tm_tensor, and every DLPack ownership rule of the project.
  *
- * Three ways in (shared/reference/dlpack.md, sections 2, 4 and 8):
+ * Three ways in (docs/dlpack.md, sections 2, 4 and 8):
  *   exchange  the type carries the DLPack C exchange table (`__dlpack_c_exchange_api__`, torch >=
  *             2.10): dltensor_from_py_object_no_sync fills a stack DLTensor that borrows from the
  *             object (we hold a reference for the call); if the table lacks that slot,
