@@ -107,6 +107,49 @@ def test_load_state_dict_entry_without_step():
     assert all(float(opt.state[p]["step"]) == 2.0 for p in params)
 
 
+@pytest.mark.parametrize("step", ["12", [2.0], None, torch.zeros(1, device="meta")])
+def test_load_state_dict_step_that_is_no_number(step):
+    """torch's load keeps any step object, and a later step fails on it: refused at the load
+    instead, naming the parameter, with nothing loaded (the optimizer steps on afterwards)."""
+    opt, params = _setup()
+    sd = copy.deepcopy(opt.state_dict())
+    sd["state"][2]["step"] = step
+    expect_refused(opt, params, ValueError, r"^load_state_dict: param_groups\[1\]\['params'\]"
+                   r"\[0\]: (step|state has no 'step')", lambda: opt.load_state_dict(sd))
+    sd["state"][2] = [1, 2]
+    expect_refused(opt, params, ValueError, r"param_groups\[1\]\['params'\]\[0\]: state is a "
+                   r"list, not a dict", lambda: opt.load_state_dict(sd))
+    opt.step()
+    assert all(float(opt.state[p]["step"]) == 3.0 for p in params)
+
+
+@pytest.mark.parametrize("spoil, match", [
+    (lambda s: s.pop("exp_avg"), r"its state has no 'exp_avg' \(keys: \['exp_avg_sq', 'step'\]\)"),
+    (lambda s: s.pop("step"), r"its state has no 'step'"),
+    (lambda s: s.__setitem__("step", "x"), r"state\['step'\] = 'x': expected a number"),
+    (lambda s: s.__setitem__("step", None), r"state\['step'\] = None: expected a number"),
+])
+def test_a_state_entry_edited_into_nonsense_is_named(spoil, match):
+    """optimizer.state edited by hand: the step names the parameter (torch: a bare KeyError or
+    float() error), nothing written."""
+    opt, params = _setup()
+    spoil(opt.state[params[1]])
+    expect_refused(opt, params, ValueError, r"^param_groups\[1\]\['params'\]\[0\]: " + match)
+
+
+@pytest.mark.parametrize("key, value, match", [
+    ("lr", "0.1", r"\['lr'\] = '0.1': expected a number"),
+    ("lr", torch.ones(2), r"\['lr'\]: a tensor of 2 elements, not 1"),
+    ("betas", (0.9,), r"\['betas'\] = \(0.9,\): expected two numbers"),
+    ("betas", (0.9, "x"), r"\['betas'\]\[1\] = 'x': expected a number"),
+    ("eps", None, r"\['eps'\] = None: expected a number"),
+])
+def test_hyperparameters_of_the_wrong_kind_are_named(key, value, match):
+    opt, params = _setup()
+    opt.param_groups[1][key] = value
+    expect_refused(opt, params, ValueError, r"^param_groups\[1\]" + match)
+
+
 @pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan])
 def test_optimizer_clip_error_if_nonfinite_like_torch(bad):
     """AdamW.clip_grad_norm_(..., error_if_nonfinite=True) raises torch's RuntimeError, with

@@ -289,6 +289,18 @@ def _resize_a_parameter(model):
 
 
 # the update's message (AdamW: the base optimizer's name of the tensor), or the Phase 1 check's
+def _share_gradient_with_parameter(model):
+    """A gradient on its parameter's memory: refused by the update, and on a Phase 1 step before
+    Phase 1 trains the MLP (tm_cms_check)."""
+    bias = model[2].bias
+    grad = bias.grad
+    bias.grad = bias.detach()
+
+    def undo():
+        bias.grad = grad
+    return undo
+
+
 _RESIZED = (r"(numel 5 does not match params\[3\] numel 6 "
             r"\((parameter '2.bias'|param_groups\[1\]\['params'\]\[1\])\)$"
             r"|^parameter '2.bias': 6 elements on cpu, its CMS state 5 on cpu)")
@@ -327,7 +339,10 @@ def test_a_refused_step_leaves_the_last_steps_control_outputs(kw):
     (_spoil_gradient("sparse"), RuntimeError,
      r"parameter '2.weight': torch.sparse_coo gradients are not"),
     (_resize_a_parameter, ValueError, _RESIZED),
-], ids=["strided-gradient", "sparse-gradient", "resized-parameter"])
+    (_share_gradient_with_parameter, ValueError,
+     r"grads\[3\]: shares memory with params\[3\] \((parameter '2.bias'|param_groups\[1\]"
+     r"\['params'\]\[1\])\)$"),
+], ids=["strided-gradient", "sparse-gradient", "resized-parameter", "gradient-on-parameter"])
 def test_a_refused_step_changes_nothing_and_names_its_parameter(kw, at, spoil, err, match):
     """A tensor the C core cannot take raises and the step does not happen: the parameters, the
     state (lr multipliers and loss EMA included: a refusal after the control op undoes it; the
@@ -361,6 +376,70 @@ def test_a_refused_step_changes_nothing_and_names_its_parameter(kw, at, spoil, e
     for pa, pb in zip(model.parameters(), twin.parameters()):
         assert torch.equal(pa, pb)
     _assert_same(_roundtrip(opt.state_dict()), _roundtrip(clean.state_dict()))
+
+
+@pytest.mark.parametrize("kw", MODES, ids=MODE_IDS)
+@pytest.mark.parametrize("spoil, err, match", [
+    # each spoils the step and returns the loss to give it
+    (lambda opt, p: torch.empty((), device="meta"), NotImplementedError, "meta"),
+    (lambda opt, p: [opt.base_optimizer.state[p].pop("exp_avg"), 0.5][1], ValueError,
+     r"^param_groups\[1\]\['params'\]\[1\]: its state has no 'exp_avg'"),
+], ids=["loss-on-meta", "state-lost-a-key"])
+def test_a_step_failing_before_its_update_is_undone(kw, spoil, err, match):
+    """Failures other than the C core's refusals (a loss that cannot be read, an AdamW state
+    entry edited by hand): global_step, the multipliers, the loss EMA and the parameters stay as
+    they were, and the run then goes on as one that never saw it."""
+    model = make_mlp_10_32_5(seed=0)
+    twin = copy.deepcopy(model)
+    opt = titanmac_c.DeepNestedOptimizer(model, **kw)
+    clean = titanmac_c.DeepNestedOptimizer(twin, **kw)
+    clean.load_state_dict(opt.state_dict())
+    for step in range(1, 4):
+        _step_all(step, (model, opt), (twin, clean))
+    _set(model, _grads(model, 4))
+    _set(twin, _grads(model, 4))
+    bias = model[2].bias
+    if kw.get("use_cms_updates") and "exp_avg" in match:
+        return  # CMS mode keeps no AdamW state
+    params_before, state_before = _snapshot(model, opt)
+    saved = dict(opt.base_optimizer.state.get(bias, {}))  # (a defaultdict: no entry made)
+    loss = spoil(opt, bias)
+    with pytest.raises(err, match=match):
+        opt.step(loss)
+    if saved:
+        opt.base_optimizer.state[bias].update(saved)
+    assert opt.global_step == 3
+    params_after, state_after = _snapshot(model, opt)
+    for a, b in zip(params_before, params_after):
+        assert torch.equal(a, b)
+    _assert_same(state_before, state_after)
+    for step in (4, 5):
+        opt.step(0.5)
+        clean.step(0.5)
+        _set(model, _grads(model, step + 1))
+        _set(twin, _grads(model, step + 1))
+    for pa, pb in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(pa, pb)
+
+
+@pytest.mark.parametrize("kw", MODES, ids=MODE_IDS)
+def test_gradients_made_under_inference_mode_are_stepped(kw):
+    """A gradient made under torch.inference_mode (no version counter): the step runs as with
+    an ordinary gradient of the same values (the clip bookkeeping skips it)."""
+    model = make_mlp_10_32_5(seed=0)
+    twin = copy.deepcopy(model)
+    opt = titanmac_c.DeepNestedOptimizer(model, **kw)
+    clean = titanmac_c.DeepNestedOptimizer(twin, **kw)
+    clean.load_state_dict(opt.state_dict())
+    for step in range(1, 7):
+        g = _grads(model, step)
+        _set(twin, g)
+        with torch.inference_mode():
+            _set(model, g)
+        opt.step(0.5)
+        clean.step(0.5)
+    for pa, pb in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(pa, pb)
 
 
 @pytest.mark.parametrize("with_grad, match", [
@@ -658,10 +737,17 @@ def _bad_checkpoints(sd):
            ("lr_multipliers of one element", edit(lambda b: b.update(lr_multipliers=torch.ones(1)))),
            ("global_step", edit(lambda b: b.update(global_step=-1))),
            ("meta_optimizer groups", edit(lambda b: b["meta_optimizer"]["param_groups"][0]
-                                          .update(params=[0])))]
+                                          .update(params=[0]))),
+           ("meta_optimizer without state", edit(lambda b: b["meta_optimizer"].pop("state")))]
+    if sd["meta_optimizer"]["state"]:
+        out.append(("meta_optimizer exp_avg shape", edit(
+            lambda b: next(iter(b["meta_optimizer"]["state"].values())).update(
+                exp_avg=torch.zeros(2, 2)))))
     if sd["base_optimizer"]["state"]:
-        out.append(("AdamW exp_avg shape", edit(lambda b: b["base_optimizer"]["state"][0].update(
-            exp_avg=torch.zeros(3)))))
+        out += [("AdamW exp_avg shape", edit(lambda b: b["base_optimizer"]["state"][0].update(
+                    exp_avg=torch.zeros(3)))),
+                ("AdamW step a string", edit(lambda b: b["base_optimizer"]["state"][2].update(
+                    step="12")))]
     if sd["cms_state"]:
         last = max(sd["cms_state"])
         first = min(sd["cms_state"])  # 0.weight, [32, 10]
@@ -672,11 +758,38 @@ def _bad_checkpoints(sd):
                 ("cms momentum broadcastable", edit(lambda b: b["cms_state"][first][0].update(
                     momentum=torch.ones(1, 10)))),
                 ("cms levels", edit(lambda b: b["cms_state"][last].update(
-                    {7: copy.deepcopy(b["cms_state"][last][0])})))]
+                    {7: copy.deepcopy(b["cms_state"][last][0])}))),
+                ("cms level a list", edit(lambda b: b["cms_state"][last].update({0: [1, 2]}))),
+                ("cms step_count a string", edit(lambda b: b["cms_state"][last][0].update(
+                    step_count="3")))]
     if "mlp_optimizer" in sd:
-        out.append(("mlp_optimizer groups", edit(lambda b: b["mlp_optimizer"]["param_groups"][0]
-                                                 ["params"].pop())))
+        out += [("mlp_optimizer groups", edit(lambda b: b["mlp_optimizer"]["param_groups"][0]
+                                              ["params"].pop())),
+                ("mlp_optimizer without state", edit(lambda b: b["mlp_optimizer"].pop("state")))]
     return out
+
+
+@pytest.mark.parametrize("part, kw", [
+    ("meta_optimizer", dict(meta_update_freq=2)),
+    ("mlp_optimizer", dict(use_cms_updates=True)),  # Phase 1 at step 5 gives it state
+])
+def test_a_meta_optimizer_state_that_does_not_fit_its_network_is_refused(part, kw):
+    """torch's Adam loads a state tensor of another shape than its parameter and fails at its
+    next step: refused at the load, naming it, nothing loaded."""
+    model = make_mlp_10_32_5(seed=0)
+    opt = titanmac_c.DeepNestedOptimizer(model, **kw)
+    for step, batch in enumerate(synthetic_batches("mlp", 6, seed=4), start=1):
+        opt.zero_grad()
+        loss_fn(model, batch).backward()
+        opt.step(float(step))
+    bad = _roundtrip(opt.state_dict())
+    entry = next(iter(bad[part]["state"].values()))
+    entry["exp_avg"] = torch.zeros(entry["exp_avg"].numel() + 1)
+    before = _roundtrip(opt.state_dict())
+    with pytest.raises(ValueError, match=rf"state_dict\['{part}'\]: param_groups\[0\]\['params'\]"
+                                         r"\[\d+\]: exp_avg is \(\d+,\), the parameter"):
+        opt.load_state_dict(bad)
+    _assert_same(_roundtrip(opt.state_dict()), before)
 
 
 @pytest.mark.parametrize("kw", MODES, ids=MODE_IDS)

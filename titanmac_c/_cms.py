@@ -15,6 +15,7 @@ they held its values.
 """
 
 import math
+import numbers
 
 import torch
 
@@ -112,12 +113,21 @@ class CMSState:
 
     def check_state_dict(self, cms_state):
         """Raises ValueError for a cms_state this state cannot load; writes nothing."""
+        _check_dict("cms_state", cms_state)
         for i, levels in cms_state.items():
             if not isinstance(i, int) or not 0 <= i < len(self.params):
                 raise ValueError(f"cms_state[{i!r}]: the optimizer has {len(self.params)} tensors")
+            _check_dict(f"cms_state[{i}]", levels)
             for level, saved in levels.items():
                 if not isinstance(level, int) or not 0 <= level < self.k:
                     raise ValueError(f"cms_state[{i}][{level!r}]: the optimizer has {self.k} levels")
+                _check_dict(f"cms_state[{i}][{level}]", saved)
+                count = saved.get("step_count", 0)
+                if not (isinstance(count, numbers.Real) and not isinstance(count, bool)
+                        or torch.is_tensor(count) and count.numel() == 1
+                        and count.device.type != "meta"):
+                    raise ValueError(f"cms_state[{i}][{level}]['step_count']: {count!r}, expected "
+                                     "a number")
                 shape = self.params[i].shape
                 for name in CMS_BUFFERS:
                     value = saved.get(name)
@@ -142,6 +152,11 @@ class CMSState:
                         buf = self.buffers[name][level][i]
                         buf.copy_(value if value is not None else torch.zeros_like(buf))
                 self.step_counts[i][level] = float(saved.get("step_count", 0))
+
+
+def _check_dict(name, value):
+    if not isinstance(value, dict):
+        raise ValueError(f"{name}: a {type(value).__name__}, expected a dict")
 
 
 class CMSLevelView:
@@ -243,6 +258,9 @@ class CMSModeMixin:
         if self._phase1_cpu_path and float(self.skipped) != 0.0:
             return  # the reference's guard returns before Phase 1 (CUDA: _phase1_targets)
         self._check_cms_state_matches()
+        # Phase 1 writes the MLP and its Adam state before Phase 2 runs: whatever Phase 2 would
+        # refuse (a gradient sharing memory, a buffer of another dtype) is refused first
+        self._cms_phase2(t, check_only=True)
         selected = select_phase1_tensors(self.base_optimizer.param_groups)
         if not selected:
             return
@@ -254,9 +272,9 @@ class CMSModeMixin:
         self._last_surrogate_loss = total.detach()
 
     def _check_cms_state_matches(self):
-        """Phase 1 trains the MLP before Phase 2 validates the step's tensors: a parameter that
-        no longer matches its CMS state (`p.data = ...` of another size or device) would have
-        Phase 2 refuse the step after the MLP moved. Refused here first, nothing written."""
+        """Phase 1 trains the MLP before Phase 2 runs: a parameter that no longer matches its CMS
+        state (`p.data = ...` of another size or device) is refused here first, with a message
+        that says what happened, nothing written."""
         momentum = self._cms.buffers["momentum"][0]
         for p in self._gather(with_params=True)[1]:
             m = momentum[self._cms.index[p]]
@@ -333,8 +351,9 @@ class CMSModeMixin:
             del plans[next(iter(plans))]
         return plan
 
-    def _cms_phase2(self, t):
-        """Spec 7.2 Phase 2 for every grouped tensor with a gradient: one tm_cms_step call."""
+    def _cms_phase2(self, t, check_only=False):
+        """Spec 7.2 Phase 2 for every grouped tensor with a gradient: one tm_cms_step call.
+        check_only: the call's checks alone (tm_cms_check), nothing run or written."""
         cms = self._cms
         grads, params, group_of, _ = self._gather(with_params=True)
         if not params:
@@ -359,10 +378,11 @@ class CMSModeMixin:
                 ema_decays=cms.ema_decays, net=net, hidden=hidden,
                 layers=self.momentum_num_layers, weight_decay=self.weight_decay, t=float(t),
                 base_lr=self.base_lr, loss=self._loss, grad_scale=self._coef, skip=self.skipped,
-                scratch=scratch, **kwargs)
+                scratch=scratch, check_only=check_only, **kwargs)
         except (BufferError, ValueError, TypeError) as err:
             self._reraise_named(err, params)
-        mark_written(params)
+        if not check_only:
+            mark_written(params)
 
     def _mlp_proxy_loss(self, loss_value, grad_scale):
         """Spec 9.3 in CMS mode (in AdamW mode every target is zero, so it is 0). No gradient

@@ -100,7 +100,7 @@ class GraphState:
             try:
                 opt._phase1(t)
                 self._replay(("tail", fires), lambda: self._captured_tail(t))
-            except (BufferError, ValueError, TypeError):
+            except Exception:
                 opt._undo_control()  # refused after the control op ran: the step did not happen
                 raise
         else:

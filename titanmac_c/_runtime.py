@@ -163,7 +163,12 @@ def reraise_with_names(exc: Exception, flat_names, group_names=None, lists=None,
 
 def float_in_range(name: str, value, low: float, high: float, high_open: bool = True) -> float:
     """Validate a host hyperparameter: finite, in [low, high) (or [low, high])."""
-    value = float(value)
+    try:
+        if isinstance(value, (str, bytes)):  # float() would parse "0.1"; torch's math would not
+            raise TypeError
+        value = float(value)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(f"{name} = {value!r}: expected a number") from None
     ok = math.isfinite(value) and low <= value and (value < high if high_open else value <= high)
     if not ok:
         if math.isinf(high):

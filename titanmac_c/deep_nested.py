@@ -131,6 +131,26 @@ def _check_c_limits(opt):
                              "the C core's fixed arrays; the reference takes any)")
 
 
+def _check_loads_into_a_copy(key, opt, saved):
+    """A meta-optimizer's checkpoint loaded into a copy of it (a few small networks' tensors):
+    whatever torch's load would raise on (a missing 'state', a malformed entry) is raised here,
+    before the first write, and every state tensor must fit its parameter (torch's Adam would
+    load a misfit and fail at its next step)."""
+    trial = copy.deepcopy(opt)
+    try:
+        trial.load_state_dict(copy.deepcopy(saved))
+    except (KeyError, ValueError, TypeError, AttributeError, RuntimeError) as e:
+        raise ValueError(f"state_dict[{key!r}]: does not load ({type(e).__name__}: {e})") from None
+    for gi, group in enumerate(trial.param_groups):
+        for pi, p in enumerate(group["params"]):
+            for name, value in trial.state.get(p, {}).items():
+                if name != "step" and (not isinstance(value, torch.Tensor)
+                                       or value.shape != p.shape):
+                    shape = tuple(value.shape) if isinstance(value, torch.Tensor) else value
+                    raise ValueError(f"state_dict[{key!r}]: param_groups[{gi}]['params'][{pi}]: "
+                                     f"{name} is {shape!r}, the parameter {tuple(p.shape)}")
+
+
 def _check_float(name, value, low=0.0):
     value = float(value)
     if not (math.isfinite(value) and value >= low):
@@ -355,19 +375,20 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin):
         """One step. loss_value: a float or a 0-d tensor (no .item() needed: a non-finite tensor
         loss is caught on the device). Returns the reference's dict."""
         loss = self._take_loss(loss_value)
-        self.global_step += 1
-        t = self.global_step
+        t = self.global_step + 1
         if not isinstance(loss, torch.Tensor) and not math.isfinite(loss):
+            self.global_step = t
             warnings.warn(f"DeepNestedOptimizer step {t}: non-finite loss ({loss}), skipping")
             self.base_optimizer.zero_grad(set_to_none=self._graph is None
                                           or not self._graph.captured)
             return {"global_step": t, "lr_multipliers": self._lr_multipliers.tolist(),
                     "skipped": True, "reason": "nan_loss"}
         with torch.no_grad():
-            if isinstance(loss, torch.Tensor):
+            if isinstance(loss, torch.Tensor):  # one that cannot be read raises: no step yet
                 self._loss.copy_(loss.detach().reshape(1))
             else:  # a finite float beyond float32's range: its largest value, as a step goes on
                 self._loss.fill_(max(-_FLOAT32_MAX, min(loss, _FLOAT32_MAX)))
+            self.global_step = t
             update = t % self.controller_update_freq == 0 or t == 1
             self._clipped_in_place = False
             self._updated = False  # whether this step's update ran (a post-hook may raise after)
@@ -375,11 +396,11 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin):
                 with prof.step_range(prof.STEP):
                     if self._graph is None or not self._graph.step(t, update):
                         self._eager_step(t, update, isinstance(loss, torch.Tensor))
-            except (BufferError, ValueError, TypeError):
+            except Exception:
                 if self._updated:
                     raise
-                # The C core refused a tensor before writing anything (the call sites name it):
-                # the step did not happen.
+                # Refused before the update wrote anything (the C core names a tensor it
+                # refuses; the control op's outputs are undone): the step did not happen.
                 self.global_step = t - 1
                 self._raise_if_sparse()
                 raise
@@ -408,7 +429,8 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin):
             return None
         for group in self.base_optimizer.param_groups:
             for p in group["params"]:
-                if p.grad is not None:
+                # an inference tensor keeps no version counter: the first gradient that does
+                if p.grad is not None and not p.grad.is_inference():
                     return p, p.grad, p.grad._version
         return None
 
@@ -464,7 +486,7 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin):
                         self.base_optimizer._fused_step(lr=self._lr, grad_scale=self._coef,
                                                         skip=self.skipped,
                                                         zero_grads_on_skip=True)
-        except (BufferError, ValueError, TypeError):
+        except Exception:  # a refusal, or a malformed state entry (KeyError) found before a write
             if not self._updated:
                 self._undo_control()
             raise
@@ -610,6 +632,7 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin):
                 raise ValueError(f"state_dict[{key!r}]: its parameter groups do not match this "
                                  f"optimizer's (sizes {[len(s['params']) for s in saved]}, "
                                  f"expected {[len(g['params']) for g in opt.param_groups]})")
+            _check_loads_into_a_copy(key, opt, state_dict[key])
         values = []
         for key, default in (("lr_multipliers", torch.ones(N_GROUPS)),
                              ("ema_loss", torch.zeros(N_GROUPS))):

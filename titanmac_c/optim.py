@@ -64,6 +64,15 @@ def _given_total_norm(total_norm, device):
     return total_norm.detach().to(device)  # torch's clip also moves the norm to each device
 
 
+def _malformed_state(name, state, error):
+    """A ValueError naming the parameter whose state entry lacks a key or holds a step that is
+    no number (found while collecting, before any write)."""
+    if isinstance(error, KeyError):
+        return ValueError(f"{name}: its state has no {error.args[0]!r} (keys: {sorted(state)})")
+    return ValueError(f"{name}: state['step'] = {state.get('step')!r}: expected a number or a "
+                      f"one-element tensor ({error})")
+
+
 class _AmpScaling:
     """What torch.amp.GradScaler hands step() of an optimizer with _step_supports_amp_scaling:
     the attributes grad_scale (the loss scale the gradients still carry, None once unscale_ ran)
@@ -236,6 +245,9 @@ class AdamW(Optimizer):
                 return
             for pi, (pid, p) in enumerate(zip(saved["params"], group["params"])):
                 entry = state_dict.get("state", {}).get(pid)
+                if entry is not None and not isinstance(entry, dict):
+                    raise ValueError(f"load_state_dict: param_groups[{gi}]['params'][{pi}]: "
+                                     f"state is a {type(entry).__name__}, not a dict")
                 if entry:
                     self._check_entry(f"param_groups[{gi}]['params'][{pi}]", p, entry, saved)
 
@@ -258,8 +270,13 @@ class AdamW(Optimizer):
         step = entry.get("step")
         if step is None:
             raise ValueError(f"load_state_dict: {name}: state has no 'step'")
-        if isinstance(step, Tensor) and step.numel() != 1:
-            raise ValueError(f"load_state_dict: {name}: step has {step.numel()} elements, not 1")
+        if isinstance(step, Tensor):
+            if step.numel() != 1 or step.device.type == "meta":
+                raise ValueError(f"load_state_dict: {name}: step has {step.numel()} elements "
+                                 f"on {step.device}, not 1 with a value")
+        elif not isinstance(step, numbers.Real) or isinstance(step, bool):
+            raise ValueError(f"load_state_dict: {name}: step is a {type(step).__name__}, not a "
+                             "number or a one-element tensor")
 
     def _normalize_steps(self, copy=False):
         """Steps live as float32 0-d tensors on the parameter's device (torch's non-fused AdamW
@@ -510,11 +527,14 @@ class AdamW(Optimizer):
                 batch.group_of.append(gi)
                 batch.params.append(p)
                 batch.grads.append(grad)
-                batch.exp_avgs.append(tensors["exp_avg"])
-                batch.exp_avg_sqs.append(tensors["exp_avg_sq"])
-                if batch.amsgrad:
-                    batch.max_exp_avg_sqs.append(tensors["max_exp_avg_sq"])
-                batch.steps.append(self._step_count(state, p.device))
+                try:
+                    batch.exp_avgs.append(tensors["exp_avg"])
+                    batch.exp_avg_sqs.append(tensors["exp_avg_sq"])
+                    if batch.amsgrad:
+                        batch.max_exp_avg_sqs.append(tensors["max_exp_avg_sq"])
+                    batch.steps.append(self._step_count(state, p.device))
+                except (KeyError, TypeError, ValueError, RuntimeError) as e:
+                    raise _malformed_state(name, state, e) from None
                 batch.names.append(name)
         for batch in batches.values():
             batch.permute_dense()
@@ -538,11 +558,16 @@ class AdamW(Optimizer):
         a scheduler or a user may have changed them since construction."""
         where = f"param_groups[{gi}]"
         lr = group["lr"]
-        if not isinstance(lr, Tensor):
-            lr = float(lr)
-            if not (math.isfinite(lr) and lr >= 0.0):
-                raise ValueError(f"{where}['lr'] = {lr}: must be finite and >= 0")
-        beta1, beta2 = (self._beta_value((gi, k), b) for k, b in enumerate(group["betas"]))
+        if isinstance(lr, Tensor):
+            if lr.numel() != 1:
+                raise ValueError(f"{where}['lr']: a tensor of {lr.numel()} elements, not 1")
+        else:
+            float_in_range(f"{where}['lr']", lr, 0.0, math.inf, high_open=False)
+        try:
+            beta1, beta2 = (self._beta_value((gi, k), b) for k, b in enumerate(group["betas"]))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{where}['betas'] = {group['betas']!r}: expected two numbers "
+                             f"in [0, 1) ({e})") from None
         return (
             float_in_range(f"{where}['betas'][0]", beta1, 0.0, 1.0),
             float_in_range(f"{where}['betas'][1]", beta2, 0.0, 1.0),

@@ -136,6 +136,15 @@ tm_cms_step(const tm_cms_tensors *t, const tm_cms_args *args, const tm_cms_input
     return cpu_cms_step(t, args, in, exec);
 }
 
+tm_status
+tm_cms_check(const tm_cms_tensors *t, const tm_cms_args *args, const tm_cms_inputs *in,
+             const tm_exec *exec)
+{
+    tm_device_ref ref;
+    tm_clear_error();
+    return tm_validate_cms(t, args, in, exec, &ref);
+}
+
 size_t
 tm_cms_surrogate_scratch_bytes(const tm_tensor_list *targets, int32_t layers)
 {

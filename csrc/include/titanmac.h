@@ -318,6 +318,12 @@ size_t tm_cms_scratch_bytes(const tm_tensor_list *params, int32_t levels, tm_cms
 tm_status tm_cms_step(const tm_cms_tensors *t, const tm_cms_args *args, const tm_cms_inputs *in,
                       const tm_exec *exec);
 
+/* Every check of tm_cms_step with the same arguments, and nothing run: a caller that writes
+ * other state first (the DeepNestedOptimizer's Phase 1 trains the momentum network before
+ * Phase 2) learns before that write whether the step would be refused. */
+tm_status tm_cms_check(const tm_cms_tensors *t, const tm_cms_args *args, const tm_cms_inputs *in,
+                       const tm_exec *exec);
+
 /* ---------------------------------------------------------------- CMS surrogate ---- */
 
 /* Phase 1 of the CMS step (spec 7.2, loss 7.4): the DirectUpdateMLP's surrogate training

@@ -176,16 +176,17 @@ py_cms_step(PyObject *module, PyObject *args, PyObject *kwargs)
         "params", "grads", "momentum", "accumulated", "ema", "v_sq", "step_counts", "lr",
         "group_of", "weights", "fires", "divisors", "ema_decays", "net", "hidden", "layers",
         "weight_decay", "t", "base_lr", "loss", "grad_scale", "skip", "beta2", "momentum_coef",
-        "clamp_ratio", "num_threads", "stream", "scratch", NULL};
+        "clamp_ratio", "num_threads", "stream", "scratch", "check_only", NULL};
     PyObject *o[10], *req[10] = {NULL}, *grad_scale = Py_None, *skip = Py_None;
     PyObject *stream = Py_None, *scratch = Py_None;
     tm_cms_args a = {.beta2 = 0.999, .momentum_coef = 0.9, .clamp_ratio = 100.0};
-    int num_threads = 1;
+    int num_threads = 1, check_only = 0;
     if (!PyArg_ParseTupleAndKeywords(
-            args, kwargs, "OOOOOOOOOO|$OOOOOOOOOOOOdddiOO:cms_step", kwlist, &o[0], &o[1], &o[2],
-            &o[3], &o[4], &o[5], &o[6], &o[7], &o[8], &o[9], &req[0], &req[1], &req[2], &req[3],
-            &req[4], &req[5], &req[6], &req[7], &req[8], &req[9], &grad_scale, &skip, &a.beta2,
-            &a.momentum_coef, &a.clamp_ratio, &num_threads, &stream, &scratch) ||
+            args, kwargs, "OOOOOOOOOO|$OOOOOOOOOOOOdddiOOp:cms_step", kwlist, &o[0], &o[1],
+            &o[2], &o[3], &o[4], &o[5], &o[6], &o[7], &o[8], &o[9], &req[0], &req[1], &req[2],
+            &req[3], &req[4], &req[5], &req[6], &req[7], &req[8], &req[9], &grad_scale, &skip,
+            &a.beta2, &a.momentum_coef, &a.clamp_ratio, &num_threads, &stream, &scratch,
+            &check_only) ||
         cms_required(req, &a) < 0) {
         return NULL;
     }
@@ -210,7 +211,11 @@ py_cms_step(PyObject *module, PyObject *args, PyObject *kwargs)
                       &c) < 0) {
         goto done;
     }
-    PY_RUN(c, status, tm_cms_step(&t, &a, &in, &c.ex));
+    if (check_only) {
+        PY_RUN(c, status, tm_cms_check(&t, &a, &in, &c.ex));
+    } else {
+        PY_RUN(c, status, tm_cms_step(&t, &a, &in, &c.ex));
+    }
     ran = 1;
 done:
     return py_finish(&b, &c, ran, status);
