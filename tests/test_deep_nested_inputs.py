@@ -493,6 +493,67 @@ class WithScalar(torch.nn.Module):
         self.temperature = torch.nn.Parameter(torch.tensor(0.7))
 
 
+def test_cms_state_assigned_as_on_the_reference():
+    """The reference's ways to edit one tensor's CMS state by assignment: a fresh
+    ContinuumMemoryState for optimizer.state[p] (a reset), a tensor for a level's momentum. Both
+    reach the live state and the runs go on alike (the legacy network: no resync needed);
+    assignments the state cannot take raise, nothing written."""
+    from titanmac_c._reference_dno import ContinuumMemoryState
+
+    kw = dict(use_cms_updates=True, use_preprocessing=False, cms_frequencies=[1, 3, 9])
+    torch.manual_seed(0)
+    (model_r, ref), (model_o, ours) = reference_and_ours(make_mlp_10_32_5(seed=0), **kw)
+    for step in range(1, 6):
+        _step_all(step, (model_r, ref), (model_o, ours))
+    for model, opt in ((model_r, ref), (model_o, ours)):
+        w, b = model[0].weight, model[2].bias
+        opt.state[w] = ContinuumMemoryState(w.shape, opt.cms_frequencies, w.device)
+        opt.state[b].levels[0].momentum = torch.full_like(b, 0.5)
+    w_index = ours._cms.index[model_o[0].weight]
+    assert torch.count_nonzero(ours._cms.buffers["momentum"][1][w_index]) == 0
+    assert ours.state[model_o[0].weight].levels[1].step_count == 0
+    for step in range(6, 12):
+        _step_all(step, (model_r, ref), (model_o, ours))
+    for pr, po in zip(model_r.parameters(), model_o.parameters()):
+        torch.testing.assert_close(po, pr, rtol=1e-5, atol=1e-7)
+        for lr_, lo in zip(ref.state[pr].levels, ours.state[po].levels):
+            torch.testing.assert_close(lo.momentum, lr_.momentum, rtol=1e-5, atol=1e-7)
+            assert lo.step_count == lr_.step_count
+    b = model_o[2].bias
+    before = _roundtrip(ours.state_dict())
+    with pytest.raises(ValueError, match=r"momentum of CMS level 0: \(3,\), expected a tensor "
+                                         r"of shape \(5,\)"):
+        ours.state[b].levels[0].momentum = torch.zeros(3)
+    with pytest.raises(ValueError, match="ema_grad of CMS level 1: not kept by titanmac_c"):
+        ours.state[b].levels[1].ema_grad = torch.zeros_like(b)
+    with pytest.raises(ValueError, match="expected a CMS state with 3 levels"):
+        ours.state[b] = ContinuumMemoryState(b.shape, [1, 10], b.device)
+    with pytest.raises(KeyError, match="not a parameter of this optimizer"):
+        ours.state[torch.nn.Parameter(torch.zeros(5))] = ours.state[b]
+    _assert_same(_roundtrip(ours.state_dict()), before)
+
+
+def test_an_adamw_mode_checkpoint_resets_the_cms_state_as_the_references():
+    """The reference saves an all-zero cms_state in AdamW mode (ours: {}); loaded into a CMS
+    optimizer that has trained, both leave every CMS buffer and count at zero."""
+    kw = dict(use_cms_updates=True, use_preprocessing=False)
+    torch.manual_seed(0)
+    (model_r, ref), (model_o, ours) = reference_and_ours(make_mlp_10_32_5(seed=0), **kw)
+    for step in range(1, 13):
+        _step_all(step, (model_r, ref), (model_o, ours))
+    for cls, opt in ((ReferenceDeepNestedOptimizer, ref), (titanmac_c.DeepNestedOptimizer, ours)):
+        source_model = make_mlp_10_32_5(seed=1)
+        source = cls(source_model, use_preprocessing=False)  # AdamW mode, the same networks
+        for step in range(1, 3):
+            _step_all(step, (source_model, source))
+        opt.load_state_dict(_roundtrip(source.state_dict()))
+    for pr, po in zip(model_r.parameters(), model_o.parameters()):
+        for lr_, lo in zip(ref.state[pr].levels, ours.state[po].levels):
+            assert torch.count_nonzero(lr_.momentum) == torch.count_nonzero(lo.momentum) == 0
+            assert torch.count_nonzero(lo.accumulated_grad) == 0
+            assert lo.step_count == lr_.step_count == 0
+
+
 @pytest.mark.parametrize("kw", MODES[1:], ids=MODE_IDS[1:])
 def test_cms_state_reads_like_the_references_and_0d_parameters_checkpoint(kw):
     """optimizer.state[p] in CMS mode has the reference's ContinuumMemoryState surface over the

@@ -76,7 +76,7 @@ class CMSState:
     def public_view(self):
         """optimizer.state in CMS mode: per parameter a ParamCMSView, read like the reference's
         ContinuumMemoryState (.frequencies, .levels[l].momentum, ...) over the live buffers."""
-        return {p: ParamCMSView(self, i) for i, p in enumerate(self.params)}
+        return CMSStateDict((p, ParamCMSView(self, i)) for i, p in enumerate(self.params))
 
     def momenta(self):
         return [m for level in self.buffers["momentum"] for m in level]
@@ -139,6 +139,16 @@ class CMSState:
                                          f"tensor of shape {tuple(shape)}")
 
     @torch.no_grad()
+    def reset(self):
+        """Every buffer and step count back to zero, as at construction."""
+        for levels in self.buffers.values():
+            for level in levels:
+                for buf in level:
+                    buf.zero_()
+        for counts in self.step_counts:
+            counts.zero_()
+
+    @torch.no_grad()
     def load_state_dict(self, cms_state):
         """Copies into the existing buffers; the caller has passed cms_state through
         check_state_dict (DeepNestedOptimizer checks every part of a checkpoint before its first
@@ -159,23 +169,49 @@ def _check_dict(name, value):
         raise ValueError(f"{name}: a {type(value).__name__}, expected a dict")
 
 
+def _buffer_property(name):
+    """A CMS buffer of one level: reads the live tensor; assigning copies into it (as the
+    reference's attribute assignment replaces its tensor)."""
+    def get(self):
+        return self._cms.buffer(name, self._level, self._i)
+
+    def set(self, value):
+        self._assign(name, value)
+    return property(get, set)
+
+
 class CMSLevelView:
     """Level l of one tensor's CMS state, with the attributes of the reference's CMSLevel. The
-    buffers are the live ones (writes go into the optimizer's state); a buffer not kept (e_l for
-    l > 0, v_sq) reads as zeros that refuse writes. step_count reads the device (a host sync)."""
+    buffers are the live ones (in-place writes and assignments go into the optimizer's state);
+    a buffer not kept (e_l for l > 0, v_sq) reads as zeros that refuse writes. step_count reads
+    the device (a host sync)."""
 
     __slots__ = ("_cms", "_i", "_level")
 
     def __init__(self, cms, i, level):
         self._cms, self._i, self._level = cms, i, level
 
-    def _buffer(self, name):
-        return self._cms.buffer(name, self._level, self._i)
+    def _check_assign(self, name, value):
+        """The live buffer that `value` may be copied into (raises when it may not)."""
+        kept = self._cms.buffers[name][self._level]
+        if not kept:
+            raise ValueError(f"{name} of CMS level {self._level}: not kept by titanmac_c (the "
+                             "update never reads it; see the README's CMS memory note)")
+        buf = kept[self._i]
+        if not torch.is_tensor(value) or value.shape != buf.shape:
+            got = tuple(value.shape) if torch.is_tensor(value) else type(value).__name__
+            raise ValueError(f"{name} of CMS level {self._level}: {got}, expected a tensor of "
+                             f"shape {tuple(buf.shape)}")
+        return buf
 
-    momentum = property(lambda self: self._buffer("momentum"))
-    accumulated_grad = property(lambda self: self._buffer("accumulated_grad"))
-    ema_grad = property(lambda self: self._buffer("ema_grad"))
-    v_sq = property(lambda self: self._buffer("v_sq"))
+    def _assign(self, name, value):
+        with torch.no_grad():
+            self._check_assign(name, value).copy_(value)
+
+    momentum = _buffer_property("momentum")
+    accumulated_grad = _buffer_property("accumulated_grad")
+    ema_grad = _buffer_property("ema_grad")
+    v_sq = _buffer_property("v_sq")
     frequency = property(lambda self: self._cms.frequencies[self._level])
     ema_decay = property(lambda self: self._cms.ema_decays[self._level])
     beta2 = property(lambda self: CMS_BETA2)
@@ -187,6 +223,42 @@ class CMSLevelView:
     @step_count.setter
     def step_count(self, value):
         self._cms.step_counts[self._i][self._level] = float(value)
+
+
+class CMSStateDict(dict):
+    """optimizer.state in CMS mode. `state[p] = ContinuumMemoryState(...)` (the reference's way
+    to reset one tensor's state) copies the given levels' kept buffers and step counts into the
+    live state, all checked before any is written; an unknown key or a value without levels
+    raises (a dict entry of its own would be ignored by the steps)."""
+
+    def __reduce__(self):  # copies and pickles rebuild it whole (not through __setitem__)
+        return type(self), (list(self.items()),)
+
+    def __setitem__(self, p, value):
+        view = self.get(p)
+        if view is None:
+            raise KeyError("optimizer.state: not a parameter of this optimizer (CMS mode keeps "
+                           "one state per grouped parameter, made at construction)")
+        if value is view:
+            return
+        levels = getattr(value, "levels", None)
+        if levels is None or len(levels) != len(view.levels):
+            raise ValueError(f"optimizer.state[p] = {type(value).__name__}: expected a CMS state "
+                             f"with {len(view.levels)} levels (.levels)")
+        writes = []
+        for mine, given in zip(view.levels, levels):
+            for name in CMS_BUFFERS:
+                value_l = getattr(given, name, None)
+                if value_l is not None and mine._cms.buffers[name][mine._level]:
+                    writes.append((mine._check_assign(name, value_l), value_l))
+            count = getattr(given, "step_count", 0)
+            if not isinstance(count, numbers.Real) and not torch.is_tensor(count):
+                raise ValueError(f"step_count of CMS level {mine._level}: {count!r}")
+        with torch.no_grad():
+            for buf, value_l in writes:
+                buf.copy_(value_l)
+        for mine, given in zip(view.levels, levels):
+            mine.step_count = getattr(given, "step_count", 0)
 
 
 class ParamCMSView:

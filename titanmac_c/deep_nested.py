@@ -25,9 +25,11 @@ meta-updates train them with torch autograd, as the reference does.
 CMS mode (use_cms_updates=True, spec 7): the same statistics/control calls, then Phase 1 (the
 surrogate training of DirectUpdateMLP every 5 steps: its gradient from the C core on the CPU,
 tm_cms_surrogate, and from the same algorithm in torch ops on CUDA, _surrogate.py, no autograd
-and no host read; the reference's clip and Adam step) and Phase 2 as one call of the C core (tm_cms_step:
-accumulation, level firings, EMAs, the momentum network per element or per tensor, the clamp,
-the NaN skips, the sqrt(n) combination, weight decay and the update). CMS buffers exist only in
+and no host read; the reference's clip and Adam step) and Phase 2 as one call of the C core
+(tm_cms_step: accumulation, level firings, EMAs, the momentum network per element or per
+tensor, the clamp, the NaN skips, the sqrt(n) combination, weight decay and the update; its
+checks run first on a Phase 1 step, tm_cms_check, so a refused step trains nothing). CMS
+buffers exist only in
 CMS mode.
 
 Layout: this file holds the constructor, the public surface, the step's order and checkpoints;
@@ -678,6 +680,9 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin):
             self._lr_multipliers.copy_(mult)
             self.ema_loss.copy_(ema)
         if self._cms is not None:
-            self._cms.load_state_dict(state_dict.get("cms_state", {}))
+            cms_state = state_dict.get("cms_state", {})
+            if not cms_state:  # AdamW mode's (ours saves {}): as the reference's all-zero one
+                self._cms.reset()
+            self._cms.load_state_dict(cms_state)
         if self._graph is not None:
             self._graph.reset()
