@@ -453,7 +453,7 @@ def test_clip_refuses_gradients_sharing_memory_and_names_parameters():
     assert torch.equal(a.grad, torch.full((6,), 3.0))
 
 
-def test_errors_name_the_tensor_under_titanmac_debug():
+def test_errors_name_the_tensor_under_titanmac_debug(tmp_path):
     """TITANMAC_DEBUG=1 (read once per process) puts "file.c:line: " before the C core's message;
     the user's name of the tensor is still appended."""
     import subprocess
@@ -468,7 +468,8 @@ def test_errors_name_the_tensor_under_titanmac_debug():
         "try: opt.step()\n"
         "except ValueError as e: print(e)\n")
     env = dict(os.environ, TITANMAC_DEBUG="1")
+    # cwd: not the repository root, whose unbuilt titanmac_c/ would shadow the installed one
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
-                         check=True).stdout.strip()
+                         check=True, cwd=tmp_path).stdout.strip()
     assert re.fullmatch(r"tm_\w+\.c:\d+: exp_avg_sq\[1\]: numel 12 does not match params\[1\] "
                         r"numel 11 \(param_groups\[1\]\['params'\]\[0\]\)", out), out
