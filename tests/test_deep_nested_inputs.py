@@ -422,6 +422,33 @@ def test_a_step_failing_before_its_update_is_undone(kw, spoil, err, match):
         assert torch.equal(pa, pb)
 
 
+@pytest.mark.parametrize("kw, net, name", [
+    (MODES[0], "controller", "net.0.bias"),
+    (MODES[1], "momentum_mlp", "net.0.bias"),
+    (MODES[2], "momentum_mlp", "net.0.weight"),  # after the legacy network's residual_weight
+], ids=MODE_IDS)
+def test_a_network_weight_the_c_core_cannot_take_is_named(kw, net, name):
+    """A weight of the controller or the momentum network replaced by one of another dtype: the
+    message names the network's parameter; nothing changes."""
+    model = make_mlp_10_32_5(seed=0)
+    opt = titanmac_c.DeepNestedOptimizer(model, **kw)
+    _step_all(1, (model, opt))
+    weight = list(getattr(opt, net).parameters())[1]
+    good = weight.data
+    _set(model, _grads(model, 2))
+    params_before, state_before = _snapshot(model, opt)
+    weight.data = good.half()
+    with pytest.raises(ValueError, match=rf"^weights\[1\]: expected float32, got float16 "
+                                         rf"\({net} parameter '{name}'\)$"):
+        opt.step(0.5)
+    weight.data = good
+    assert opt.global_step == 1
+    params_after, state_after = _snapshot(model, opt)
+    for a, b in zip(params_before, params_after):
+        assert torch.equal(a, b)
+    _assert_same(state_before, state_after)
+
+
 @pytest.mark.parametrize("kw", MODES, ids=MODE_IDS)
 def test_gradients_made_under_inference_mode_are_stepped(kw):
     """A gradient made under torch.inference_mode (no version counter): the step runs as with

@@ -452,7 +452,7 @@ class CMSModeMixin:
                 base_lr=self.base_lr, loss=self._loss, grad_scale=self._coef, skip=self.skipped,
                 scratch=scratch, check_only=check_only, **kwargs)
         except (BufferError, ValueError, TypeError) as err:
-            self._reraise_named(err, params)
+            self._reraise_named(err, params, weights_of="momentum_mlp")
         if not check_only:
             mark_written(params)
 

@@ -4,11 +4,16 @@ call, then tm_dno_control (loss EMA, NestedController, learning rates, clip coef
 predicate) on the device. Every tensor list comes from AdamW's cached plan in the steady state.
 """
 
+import re
+
 import torch
 
 from . import _C
 from ._reference_dno import EMA_LOSS_BETA, MAX_LR_MULT, MIN_LR_MULT, N_GROUPS
 from ._runtime import exec_kwargs, norms_scratch, reraise_with_names
+
+# a C-core message about the network weights' list (after TITANMAC_DEBUG's "file.c:line: ")
+_WEIGHTS_FIRST = re.compile(r"([\w.]+:\d+: )?weights\[\d+\]")
 
 
 _MODEL_EDITS = [0]  # parameters or submodules registered on any module since the hooks went in
@@ -105,9 +110,14 @@ class ControlStepMixin:
         total = self._norms[2 * N_GROUPS:]
         total.copy_(torch.hypot(total, out[1:]))
 
-    def _reraise_named(self, err, params, note=""):
+    def _reraise_named(self, err, params, note="", weights_of=None):
         """A C-core error about "grads[i]" / "params[i]" (or the CMS state's lists) of lists in
-        the order of params, with params[i]'s name appended."""
+        the order of params, with params[i]'s name appended; one about "weights[i]", the weights
+        of the network self.<weights_of>, with its parameter's name."""
+        if weights_of is not None and _WEIGHTS_FIRST.match(str(err)):
+            module = getattr(self, weights_of)
+            reraise_with_names(err, [f"{weights_of} parameter {n!r}"
+                                     for n, _ in module.named_parameters()], lists=("weights",))
         reraise_with_names(err, [f"parameter {self._param_names[p]!r}{note}" for p in params],
                            lists=("grads", "params", "step_counts"),
                            level_lists=("momentum", "accumulated", "ema", "v_sq"))
@@ -154,16 +164,19 @@ class ControlStepMixin:
         g = N_GROUPS
         n = self._norms
         grad_in, param_in = self._controller_inputs(n[0:g], n[g:2 * g])
-        _C.dno_control(
-            grad_in, param_in, n[2 * g:], self.group_depths, self._loss,
-            self._weights_of("controller"), self._lr_multipliers,
-            self.ema_loss, self._lr, self._coef, self.skipped,
-            hidden=self.controller_hidden_dim, layers=self.controller_num_layers,
-            update_controller=update, first_step=(t == 1), check_loss=check_loss,
-            base_lr=self.base_lr if base_lr is None else base_lr,
-            max_grad_norm=self.max_grad_norm, ema_beta=EMA_LOSS_BETA, mu_min=MIN_LR_MULT,
-            mu_max=MAX_LR_MULT, stream=exec_kwargs(self.device).get("stream"),
-            previous=self._control_previous)
+        try:
+            _C.dno_control(
+                grad_in, param_in, n[2 * g:], self.group_depths, self._loss,
+                self._weights_of("controller"), self._lr_multipliers,
+                self.ema_loss, self._lr, self._coef, self.skipped,
+                hidden=self.controller_hidden_dim, layers=self.controller_num_layers,
+                update_controller=update, first_step=(t == 1), check_loss=check_loss,
+                base_lr=self.base_lr if base_lr is None else base_lr,
+                max_grad_norm=self.max_grad_norm, ema_beta=EMA_LOSS_BETA, mu_min=MIN_LR_MULT,
+                mu_max=MAX_LR_MULT, stream=exec_kwargs(self.device).get("stream"),
+                previous=self._control_previous)
+        except (BufferError, ValueError, TypeError) as err:
+            self._reraise_named(err, [], weights_of="controller")
 
     def _undo_control(self):
         """The C core refused a call of the step after the control op (a tensor that no longer
