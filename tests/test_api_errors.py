@@ -123,6 +123,59 @@ def test_load_state_dict_step_that_is_no_number(step):
     assert all(float(opt.state[p]["step"]) == 3.0 for p in params)
 
 
+@pytest.mark.parametrize("key, value, match", [
+    ("step", -1.0, r"step = -1.0, must be >= 0"),  # the bias correction would divide by zero
+    ("exp_avg", None, r"exp_avg is a NoneType, not a tensor"),
+    ("exp_avg_sq", torch.zeros(7, device="meta"), r"exp_avg_sq is on the meta device"),
+])
+def test_load_state_dict_values_a_step_could_not_use(key, value, match):
+    opt, params = _setup()
+    sd = copy.deepcopy(opt.state_dict())
+    sd["state"][2][key] = value
+    expect_refused(opt, params, ValueError, r"^load_state_dict: param_groups\[1\]\['params'\]"
+                   r"\[0\]: " + match, lambda: opt.load_state_dict(sd))
+
+
+def test_a_group_without_a_hyperparameter_is_named():
+    """torch's load takes a group without 'lr' (its step then fails on a bare KeyError)."""
+    opt, params = _setup()
+    del opt.param_groups[1]["lr"]
+    expect_refused(opt, params, ValueError, r"^param_groups\[1\]: no 'lr'")
+
+
+def test_a_state_entry_that_is_no_tensor_is_named_with_several_c_calls():
+    """Groups with and without amsgrad make two C calls, checked in Python first: a state entry
+    that is no tensor is named there too (one call: the C core names it)."""
+    a, b = torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(2))
+    opt = titanmac_c.AdamW([{"params": [a]}, {"params": [b], "amsgrad": True}])
+    a.grad, b.grad = torch.randn(3), torch.randn(2)
+    opt.step()
+    opt.state[a]["exp_avg_sq"] = None
+    expect_refused(opt, [a, b], TypeError, r"^param_groups\[0\]\['params'\]\[0\]: a state "
+                   r"entry is a NoneType, not a tensor")
+
+
+@pytest.mark.parametrize("fn", ["clip", "total", "method"])
+@pytest.mark.parametrize("kw, match", [
+    (dict(max_norm=None), r"^max_norm = None: expected a number$"),
+    (dict(norm_type="abc"), r"^norm_type = 'abc': expected a number$"),
+])
+def test_clip_arguments_that_are_no_numbers_are_named(fn, kw, match):
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.full((3,), 2.0)
+    if fn == "total" and "max_norm" in kw:
+        return  # get_total_norm takes no max_norm
+    args = dict(dict(max_norm=1.0), **kw)
+    with pytest.raises(ValueError, match=match):
+        if fn == "clip":
+            titanmac_c.clip_grad_norm_([p], **args)
+        elif fn == "total":
+            titanmac_c.get_total_norm([p.grad], norm_type=kw["norm_type"])
+        else:
+            titanmac_c.AdamW([p]).clip_grad_norm_(**args)
+    assert torch.equal(p.grad, torch.full((3,), 2.0))
+
+
 @pytest.mark.parametrize("spoil, match", [
     (lambda s: s.pop("exp_avg"), r"its state has no 'exp_avg' \(keys: \['exp_avg_sq', 'step'\]\)"),
     (lambda s: s.pop("step"), r"its state has no 'step'"),

@@ -378,17 +378,33 @@ def test_a_refused_step_changes_nothing_and_names_its_parameter(kw, at, spoil, e
     _assert_same(_roundtrip(opt.state_dict()), _roundtrip(clean.state_dict()))
 
 
+def _fail_the_update(opt, p):
+    """An unexpected failure (no refusal of the C core) in the update call, before it writes."""
+    def fail(*args, **kwargs):
+        raise RuntimeError("the update failed")
+    if opt._cms is None:
+        opt.base_optimizer._fused_step = fail
+    else:
+        opt._cms_phase2 = fail
+    return 0.5
+
+
 @pytest.mark.parametrize("kw", MODES, ids=MODE_IDS)
 @pytest.mark.parametrize("spoil, err, match", [
     # each spoils the step and returns the loss to give it
-    (lambda opt, p: torch.empty((), device="meta"), NotImplementedError, "meta"),
+    (lambda opt, p: torch.empty((), device="meta"), ValueError,
+     r"^loss_value: a torch.float32 tensor on meta: expected a real value$"),
+    (lambda opt, p: torch.tensor(1 + 2j), ValueError, r"^loss_value: a torch.complex64 tensor"),
+    (lambda opt, p: "abc", ValueError, r"^loss_value = 'abc': expected a number"),
     (lambda opt, p: [opt.base_optimizer.state[p].pop("exp_avg"), 0.5][1], ValueError,
      r"^param_groups\[1\]\['params'\]\[1\]: its state has no 'exp_avg'"),
-], ids=["loss-on-meta", "state-lost-a-key"])
+    (_fail_the_update, RuntimeError, "^the update failed$"),
+], ids=["loss-on-meta", "complex-loss", "string-loss", "state-lost-a-key", "update-failed"])
 def test_a_step_failing_before_its_update_is_undone(kw, spoil, err, match):
     """Failures other than the C core's refusals (a loss that cannot be read, an AdamW state
-    entry edited by hand): global_step, the multipliers, the loss EMA and the parameters stay as
-    they were, and the run then goes on as one that never saw it."""
+    entry edited by hand, an unexpected error in the update call): global_step, the
+    multipliers, the loss EMA and the parameters stay as they were, and the run then goes on as
+    one that never saw it."""
     model = make_mlp_10_32_5(seed=0)
     twin = copy.deepcopy(model)
     opt = titanmac_c.DeepNestedOptimizer(model, **kw)
@@ -406,6 +422,9 @@ def test_a_step_failing_before_its_update_is_undone(kw, spoil, err, match):
     loss = spoil(opt, bias)
     with pytest.raises(err, match=match):
         opt.step(loss)
+    for patched in (opt.base_optimizer, opt):
+        vars(patched).pop("_fused_step", None)
+        vars(patched).pop("_cms_phase2", None)
     if saved:
         opt.base_optimizer.state[bias].update(saved)
     assert opt.global_step == 3
@@ -826,7 +845,8 @@ def _bad_checkpoints(sd):
            ("global_step", edit(lambda b: b.update(global_step=-1))),
            ("meta_optimizer groups", edit(lambda b: b["meta_optimizer"]["param_groups"][0]
                                           .update(params=[0]))),
-           ("meta_optimizer without state", edit(lambda b: b["meta_optimizer"].pop("state")))]
+           ("meta_optimizer without state", edit(lambda b: b["meta_optimizer"].pop("state"))),
+           ("lr_multipliers a string", edit(lambda b: b.update(lr_multipliers="abc")))]
     if sd["meta_optimizer"]["state"]:
         out.append(("meta_optimizer exp_avg shape", edit(
             lambda b: next(iter(b["meta_optimizer"]["state"].values())).update(
@@ -849,7 +869,10 @@ def _bad_checkpoints(sd):
                     {7: copy.deepcopy(b["cms_state"][last][0])}))),
                 ("cms level a list", edit(lambda b: b["cms_state"][last].update({0: [1, 2]}))),
                 ("cms step_count a string", edit(lambda b: b["cms_state"][last][0].update(
-                    step_count="3")))]
+                    step_count="3"))),
+                ("cms momentum on meta", edit(lambda b: b["cms_state"][last][0].update(
+                    momentum=torch.zeros_like(b["cms_state"][last][0]["momentum"],
+                                              device="meta"))))]
     if "mlp_optimizer" in sd:
         out += [("mlp_optimizer groups", edit(lambda b: b["mlp_optimizer"]["param_groups"][0]
                                               ["params"].pop())),

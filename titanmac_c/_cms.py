@@ -133,10 +133,12 @@ class CMSState:
                     value = saved.get(name)
                     if value is None and name in ("momentum", "accumulated_grad"):
                         raise ValueError(f"cms_state[{i}][{level}]: no {name!r}")
-                    if value is not None and (not torch.is_tensor(value) or value.shape != shape):
-                        got = tuple(value.shape) if torch.is_tensor(value) else type(value).__name__
+                    if value is not None and (not torch.is_tensor(value) or value.shape != shape
+                                              or value.device.type == "meta"):
+                        got = (type(value).__name__ if not torch.is_tensor(value) else
+                               f"{tuple(value.shape)} on {value.device}")
                         raise ValueError(f"cms_state[{i}][{level}][{name!r}]: {got}, expected a "
-                                         f"tensor of shape {tuple(shape)}")
+                                         f"tensor of shape {tuple(shape)} with values")
 
     @torch.no_grad()
     def reset(self):

@@ -101,6 +101,9 @@ class Batch:
             if self.amsgrad:
                 tensors.append(self.max_exp_avg_sqs[i])
             for t in tensors:
+                if not isinstance(t, torch.Tensor):
+                    raise TypeError(f"{name}: a state entry is a {type(t).__name__}, not a "
+                                    "tensor")
                 if t.shape != p.shape or t.dtype != p.dtype or t.device != p.device:
                     raise ValueError(f"{name}: state or gradient does not match the parameter "
                                      f"(shape {tuple(t.shape)}, dtype {t.dtype}, {t.device})")

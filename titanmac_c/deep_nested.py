@@ -467,8 +467,17 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin):
             if loss.numel() != 1:
                 raise ValueError(f"loss_value: a tensor loss must have 1 element, "
                                  f"got shape {tuple(loss.shape)}")
+            if loss.is_complex() or loss.device.type == "meta":
+                raise ValueError(f"loss_value: a {loss.dtype} tensor on {loss.device}: expected "
+                                 "a real value")
             return loss
-        return float(loss)
+        try:
+            if isinstance(loss, (str, bytes)):
+                raise TypeError
+            return float(loss)
+        except (TypeError, ValueError):
+            raise ValueError(f"loss_value = {loss!r}: expected a number or a one-element "
+                             "tensor") from None
 
     def _eager_step(self, t, update, check_loss):
         with prof.step_range(prof.STATS):
@@ -639,7 +648,13 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin):
         for key, default in (("lr_multipliers", torch.ones(N_GROUPS)),
                              ("ema_loss", torch.zeros(N_GROUPS))):
             value = state_dict.get(key)
-            value = default if value is None else torch.as_tensor(value, dtype=torch.float32)
+            try:
+                value = default if value is None else torch.as_tensor(value, dtype=torch.float32)
+                if value.device.type == "meta":
+                    raise TypeError
+            except (TypeError, ValueError, RuntimeError):
+                raise ValueError(f"state_dict[{key!r}]: {value!r}, expected {N_GROUPS} "
+                                 "numbers") from None
             if value.shape != (N_GROUPS,):
                 raise ValueError(f"state_dict[{key!r}]: shape {tuple(value.shape)}, expected "
                                  f"({N_GROUPS},)")

@@ -260,13 +260,21 @@ class AdamW(Optimizer):
             if key not in entry:
                 raise ValueError(f"load_state_dict: {name}: state has no {key!r}")
         for key in _STATE_KEYS:
-            value = entry.get(key)
-            if value is not None and (not isinstance(value, Tensor) or value.shape != p.shape):
-                shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+            if key not in entry:
+                continue
+            value = entry[key]
+            if not isinstance(value, Tensor):
+                raise ValueError(f"load_state_dict: {name}: {key} is a {type(value).__name__}, "
+                                 "not a tensor")
+            if value.shape != p.shape:
+                shape = tuple(value.shape)
                 raise ValueError(
                     f"load_state_dict: {name}: {key} has shape {shape}, "
                     f"but the parameter has shape {tuple(p.shape)}"
                 )
+            if value.device.type == "meta":
+                raise ValueError(f"load_state_dict: {name}: {key} is on the meta device (no "
+                                 "values)")
         step = entry.get("step")
         if step is None:
             raise ValueError(f"load_state_dict: {name}: state has no 'step'")
@@ -277,6 +285,8 @@ class AdamW(Optimizer):
         elif not isinstance(step, numbers.Real) or isinstance(step, bool):
             raise ValueError(f"load_state_dict: {name}: step is a {type(step).__name__}, not a "
                              "number or a one-element tensor")
+        if not float(step) >= 0.0:  # -1 divides by zero in the bias correction (NaN parameters)
+            raise ValueError(f"load_state_dict: {name}: step = {float(step)}, must be >= 0")
 
     def _normalize_steps(self, copy=False):
         """Steps live as float32 0-d tensors on the parameter's device (torch's non-fused AdamW
@@ -557,6 +567,9 @@ class AdamW(Optimizer):
         """(beta1, beta2, eps, weight_decay, maximize), validated on the host before any write:
         a scheduler or a user may have changed them since construction."""
         where = f"param_groups[{gi}]"
+        missing = [k for k in ("lr", "betas", "eps", "weight_decay", "maximize") if k not in group]
+        if missing:
+            raise ValueError(f"{where}: no {missing[0]!r} (e.g. a checkpoint's group without it)")
         lr = group["lr"]
         if isinstance(lr, Tensor):
             if lr.numel() != 1:
