@@ -120,7 +120,8 @@ class CMSState:
             _check_dict(f"cms_state[{i}]", levels)
             for level, saved in levels.items():
                 if not isinstance(level, int) or not 0 <= level < self.k:
-                    raise ValueError(f"cms_state[{i}][{level!r}]: the optimizer has {self.k} levels")
+                    raise ValueError(f"cms_state[{i}][{level!r}]: the optimizer has {self.k} "
+                                     "levels")
                 _check_dict(f"cms_state[{i}][{level}]", saved)
                 count = saved.get("step_count", 0)
                 if not (isinstance(count, numbers.Real) and not isinstance(count, bool)

@@ -186,4 +186,5 @@ def check_supported_dtype(name: str, tensor: torch.Tensor) -> None:
         )
 
 
-__all__ = ["exec_kwargs", "mark_written", "norms_scratch", "Scratch", "reraise_with_names", "float_in_range", "_C"]
+__all__ = ["exec_kwargs", "mark_written", "norms_scratch", "Scratch", "reraise_with_names",
+           "float_in_range", "_C"]
