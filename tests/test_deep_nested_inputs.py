@@ -56,6 +56,35 @@ def _step_all(step, *pairs):
         opt.step(0.5)
 
 
+def _twin_optimizers(kw):
+    """(model, its optimizer, a copy of the model, an optimizer in the same state for it)."""
+    model = make_mlp_10_32_5(seed=0)
+    twin = copy.deepcopy(model)
+    opt = titanmac_c.DeepNestedOptimizer(model, **kw)
+    clean = titanmac_c.DeepNestedOptimizer(twin, **kw)
+    clean.load_state_dict(opt.state_dict())
+    return model, opt, twin, clean
+
+
+def _assert_untouched_then_alike(model, opt, twin, clean, before, at):
+    """After a refused step `at`: global_step at - 1, the parameters and the state as `before`
+    (a _snapshot); then two steps of both runs (twin's gradients for `at` already set) leave
+    the same parameters."""
+    params_before, state_before = before
+    assert opt.global_step == at - 1
+    params_after, state_after = _snapshot(model, opt)
+    for a, b in zip(params_before, params_after):
+        assert torch.equal(a, b)
+    _assert_same(state_before, state_after)
+    for step in (at, at + 1):
+        opt.step(0.5)
+        clean.step(0.5)
+        _set(model, _grads(model, step + 1))
+        _set(twin, _grads(model, step + 1))
+    for pa, pb in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(pa, pb)
+
+
 def _roundtrip(sd):
     buf = io.BytesIO()
     torch.save(sd, buf)
@@ -348,11 +377,7 @@ def test_a_refused_step_changes_nothing_and_names_its_parameter(kw, at, spoil, e
     state (lr multipliers and loss EMA included: a refusal after the control op undoes it; the
     MLP and its Adam state: Phase 1 does not run) and global_step are as before, and once fixed
     the run goes on exactly as one that never saw it."""
-    model = make_mlp_10_32_5(seed=0)
-    twin = copy.deepcopy(model)
-    opt = titanmac_c.DeepNestedOptimizer(model, **kw)
-    clean = titanmac_c.DeepNestedOptimizer(twin, **kw)
-    clean.load_state_dict(opt.state_dict())
+    model, opt, twin, clean = _twin_optimizers(kw)
     for step in range(1, at):  # through a Phase 1 step (5) in CMS mode
         _step_all(step, (model, opt), (twin, clean))
     params_before, state_before = _snapshot(model, opt)
@@ -362,19 +387,8 @@ def test_a_refused_step_changes_nothing_and_names_its_parameter(kw, at, spoil, e
     with pytest.raises(err, match=match):
         opt.step(0.5)
     undo()
-    params_after, state_after = _snapshot(model, opt)
-    assert opt.global_step == at - 1
-    for a, b in zip(params_before, params_after):
-        assert torch.equal(a, b)
-    _assert_same(state_before, state_after)
     _set(twin, g)
-    for step in (at, at + 1):
-        opt.step(0.5)
-        clean.step(0.5)
-        _set(model, _grads(model, step + 1))
-        _set(twin, _grads(model, step + 1))
-    for pa, pb in zip(model.parameters(), twin.parameters()):
-        assert torch.equal(pa, pb)
+    _assert_untouched_then_alike(model, opt, twin, clean, (params_before, state_before), at)
     _assert_same(_roundtrip(opt.state_dict()), _roundtrip(clean.state_dict()))
 
 
@@ -405,11 +419,7 @@ def test_a_step_failing_before_its_update_is_undone(kw, spoil, err, match):
     entry edited by hand, an unexpected error in the update call): global_step, the
     multipliers, the loss EMA and the parameters stay as they were, and the run then goes on as
     one that never saw it."""
-    model = make_mlp_10_32_5(seed=0)
-    twin = copy.deepcopy(model)
-    opt = titanmac_c.DeepNestedOptimizer(model, **kw)
-    clean = titanmac_c.DeepNestedOptimizer(twin, **kw)
-    clean.load_state_dict(opt.state_dict())
+    model, opt, twin, clean = _twin_optimizers(kw)
     for step in range(1, 4):
         _step_all(step, (model, opt), (twin, clean))
     _set(model, _grads(model, 4))
@@ -427,18 +437,7 @@ def test_a_step_failing_before_its_update_is_undone(kw, spoil, err, match):
         vars(patched).pop("_cms_phase2", None)
     if saved:
         opt.base_optimizer.state[bias].update(saved)
-    assert opt.global_step == 3
-    params_after, state_after = _snapshot(model, opt)
-    for a, b in zip(params_before, params_after):
-        assert torch.equal(a, b)
-    _assert_same(state_before, state_after)
-    for step in (4, 5):
-        opt.step(0.5)
-        clean.step(0.5)
-        _set(model, _grads(model, step + 1))
-        _set(twin, _grads(model, step + 1))
-    for pa, pb in zip(model.parameters(), twin.parameters()):
-        assert torch.equal(pa, pb)
+    _assert_untouched_then_alike(model, opt, twin, clean, (params_before, state_before), 4)
 
 
 @pytest.mark.parametrize("kw, net, name", [
@@ -472,11 +471,7 @@ def test_a_network_weight_the_c_core_cannot_take_is_named(kw, net, name):
 def test_gradients_made_under_inference_mode_are_stepped(kw):
     """A gradient made under torch.inference_mode (no version counter): the step runs as with
     an ordinary gradient of the same values (the clip bookkeeping skips it)."""
-    model = make_mlp_10_32_5(seed=0)
-    twin = copy.deepcopy(model)
-    opt = titanmac_c.DeepNestedOptimizer(model, **kw)
-    clean = titanmac_c.DeepNestedOptimizer(twin, **kw)
-    clean.load_state_dict(opt.state_dict())
+    model, opt, twin, clean = _twin_optimizers(kw)
     for step in range(1, 7):
         g = _grads(model, step)
         _set(twin, g)
