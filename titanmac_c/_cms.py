@@ -123,12 +123,8 @@ class CMSState:
                     raise ValueError(f"cms_state[{i}][{level!r}]: the optimizer has {self.k} "
                                      "levels")
                 _check_dict(f"cms_state[{i}][{level}]", saved)
-                count = saved.get("step_count", 0)
-                if not (isinstance(count, numbers.Real) and not isinstance(count, bool)
-                        or torch.is_tensor(count) and count.numel() == 1
-                        and count.device.type != "meta"):
-                    raise ValueError(f"cms_state[{i}][{level}]['step_count']: {count!r}, expected "
-                                     "a number")
+                _check_count(f"cms_state[{i}][{level}]['step_count']",
+                             saved.get("step_count", 0))
                 shape = self.params[i].shape
                 for name in CMS_BUFFERS:
                     value = saved.get(name)
@@ -165,6 +161,14 @@ class CMSState:
                         buf = self.buffers[name][level][i]
                         buf.copy_(value if value is not None else torch.zeros_like(buf))
                 self.step_counts[i][level] = float(saved.get("step_count", 0))
+
+
+def _check_count(name, count):
+    """A level's fire count as a checkpoint or a ContinuumMemoryState holds it: a number or a
+    one-element tensor with a value."""
+    if not (isinstance(count, numbers.Real) and not isinstance(count, bool)
+            or torch.is_tensor(count) and count.numel() == 1 and count.device.type != "meta"):
+        raise ValueError(f"{name}: {count!r}, expected a number")
 
 
 def _check_dict(name, value):
@@ -254,9 +258,7 @@ class CMSStateDict(dict):
                 value_l = getattr(given, name, None)
                 if value_l is not None and mine._cms.buffers[name][mine._level]:
                     writes.append((mine._check_assign(name, value_l), value_l))
-            count = getattr(given, "step_count", 0)
-            if not isinstance(count, numbers.Real) and not torch.is_tensor(count):
-                raise ValueError(f"step_count of CMS level {mine._level}: {count!r}")
+            _check_count(f"step_count of CMS level {mine._level}", getattr(given, "step_count", 0))
         with torch.no_grad():
             for buf, value_l in writes:
                 buf.copy_(value_l)

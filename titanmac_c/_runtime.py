@@ -161,14 +161,21 @@ def reraise_with_names(exc: Exception, flat_names, group_names=None, lists=None,
     raise type(exc)(message) from None
 
 
+def as_number(name: str, value, expected: str = "a number") -> float:
+    """float(value) for an argument the user gave; anything else (a string, which float() would
+    parse but torch's math would not, None, a tensor of several elements) is a ValueError
+    naming it."""
+    try:
+        if isinstance(value, (str, bytes)):
+            raise TypeError
+        return float(value)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(f"{name} = {value!r}: expected {expected}") from None
+
+
 def float_in_range(name: str, value, low: float, high: float, high_open: bool = True) -> float:
     """Validate a host hyperparameter: finite, in [low, high) (or [low, high])."""
-    try:
-        if isinstance(value, (str, bytes)):  # float() would parse "0.1"; torch's math would not
-            raise TypeError
-        value = float(value)
-    except (TypeError, ValueError, RuntimeError):
-        raise ValueError(f"{name} = {value!r}: expected a number") from None
+    value = as_number(name, value)
     ok = math.isfinite(value) and low <= value and (value < high if high_open else value <= high)
     if not ok:
         if math.isinf(high):
@@ -187,4 +194,4 @@ def check_supported_dtype(name: str, tensor: torch.Tensor) -> None:
 
 
 __all__ = ["exec_kwargs", "mark_written", "norms_scratch", "Scratch", "reraise_with_names",
-           "float_in_range", "_C"]
+           "as_number", "float_in_range", "_C"]

@@ -69,7 +69,14 @@ from ._distributed import is_dtensor
 from ._dno_graph import GraphState
 from ._cms import CMSModeMixin, CMSState, init_output_on_sign, level_frequencies
 from ._dno_control import ControlStepMixin, watch_model_edits
-from ._runtime import SUPPORTED_DTYPES, Scratch, call_dense, exec_kwargs, mark_written
+from ._runtime import (
+    SUPPORTED_DTYPES,
+    Scratch,
+    as_number,
+    call_dense,
+    exec_kwargs,
+    mark_written,
+)
 from .optim import AdamW
 
 
@@ -471,13 +478,7 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin):
                 raise ValueError(f"loss_value: a {loss.dtype} tensor on {loss.device}: expected "
                                  "a real value")
             return loss
-        try:
-            if isinstance(loss, (str, bytes)):
-                raise TypeError
-            return float(loss)
-        except (TypeError, ValueError):
-            raise ValueError(f"loss_value = {loss!r}: expected a number or a one-element "
-                             "tensor") from None
+        return as_number("loss_value", loss, "a number or a one-element tensor")
 
     def _eager_step(self, t, update, check_loss):
         with prof.step_range(prof.STATS):

@@ -24,6 +24,7 @@ from . import _C
 from . import _profiling as prof
 from ._distributed import ShardedNorms, any_dtensor, local_of
 from ._runtime import (
+    as_number,
     call_dense,
     exec_kwargs,
     is_expanded,
@@ -53,17 +54,8 @@ def _raise_if_nonfinite(total, norm_type):
         raise RuntimeError(_NONFINITE_MESSAGE.format(norm_type))
 
 
-def _as_float(name, value) -> float:
-    try:
-        if isinstance(value, (str, bytes)):
-            raise TypeError
-        return float(value)
-    except (TypeError, ValueError, RuntimeError):
-        raise ValueError(f"{name} = {value!r}: expected a number") from None
-
-
 def _check_norm_type(norm_type) -> float:
-    norm_type = _as_float("norm_type", norm_type)
+    norm_type = as_number("norm_type", norm_type)
     if not (norm_type > 0.0):
         raise ValueError(f"norm_type = {norm_type}: titanmac_c supports p > 0 and inf")
     return norm_type
@@ -71,7 +63,7 @@ def _check_norm_type(norm_type) -> float:
 
 def _check_max_norm(max_norm) -> float:
     """>= 0; inf is torch's idiom for measuring without clipping (the coefficient is then 1)."""
-    max_norm = _as_float("max_norm", max_norm)
+    max_norm = as_number("max_norm", max_norm)
     if not max_norm >= 0.0:
         raise ValueError(f"max_norm = {max_norm}: must be >= 0 (inf: no clipping)")
     return max_norm

@@ -567,9 +567,14 @@ class AdamW(Optimizer):
         """(beta1, beta2, eps, weight_decay, maximize), validated on the host before any write:
         a scheduler or a user may have changed them since construction."""
         where = f"param_groups[{gi}]"
-        missing = [k for k in ("lr", "betas", "eps", "weight_decay", "maximize") if k not in group]
-        if missing:
-            raise ValueError(f"{where}: no {missing[0]!r} (e.g. a checkpoint's group without it)")
+        try:
+            return self._checked_hparams(gi, group, where)
+        except KeyError as e:  # looked for only on the error path: no cost to a step
+            raise ValueError(f"{where}: no {e.args[0]!r} (e.g. a checkpoint's group without "
+                             "it)") from None
+
+    def _checked_hparams(self, gi, group, where):
+        """_group_hparams's checks; a missing key raises KeyError."""
         lr = group["lr"]
         if isinstance(lr, Tensor):
             if lr.numel() != 1:
