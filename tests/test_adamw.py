@@ -305,6 +305,51 @@ def test_steps_follow_changes_to_groups_and_state(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_state_edits_between_planned_steps_take_effect_like_torch(device):
+    """The cached plan reads state entries by their position in the state dict: an entry
+    replaced under its key, a state dict whose keys were re-inserted in another order, and one
+    holding an extra key must each be read as torch reads them (by parameter). One size for all:
+    a mix-up of entries would not be refused by the C core's size checks."""
+    params_a = make_params([20, 20, 20], device, misaligned=False)
+    params_b = clone_params(params_a)
+    ours = titanmac_c.AdamW(params_a, lr=1e-2, weight_decay=0.01)
+    theirs = torch.optim.AdamW(params_b, lr=1e-2, weight_decay=0.01)
+    run_pair(ours, theirs, params_a, params_b, steps=3)
+    assert ours._plan is not None
+
+    def edit(opt, params, offset):
+        # the middle entry replaced by a new dict: moments reset, the step count kept
+        old = opt.state[params[1]]
+        opt.state[params[1]] = {"step": old["step"].clone(),
+                                "exp_avg": torch.full_like(old["exp_avg"], offset),
+                                "exp_avg_sq": torch.full_like(old["exp_avg_sq"], offset ** 2)}
+
+    edit(ours, params_a, 0.5)
+    edit(theirs, params_b, 0.5)
+    run_pair(ours, theirs, params_a, params_b, steps=2)
+    assert_state_close(ours, theirs, params_a, params_b, tol(torch.float32, device))
+
+    for opt in (ours, theirs):  # same keys, re-inserted last to first
+        entries = list(opt.state.items())
+        opt.state.clear()
+        opt.state.update(reversed(entries))
+    assert list(ours.state) == params_a[::-1]
+    run_pair(ours, theirs, params_a, params_b, steps=2)
+    assert_state_close(ours, theirs, params_a, params_b, tol(torch.float32, device))
+    edit(ours, params_a, 0.25)  # an entry replaced in the re-ordered dict
+    edit(theirs, params_b, 0.25)
+    run_pair(ours, theirs, params_a, params_b, steps=2)
+    assert_state_close(ours, theirs, params_a, params_b, tol(torch.float32, device))
+
+    stray = torch.zeros(3, device=device)  # a key no group holds: ignored by both
+    ours.state[stray] = {"note": 1}
+    theirs.state[stray] = {"note": 1}
+    run_pair(ours, theirs, params_a, params_b, steps=2)
+    assert_state_close(ours, theirs, params_a, params_b, tol(torch.float32, device))
+    assert ours._plan is not None and ours._plan.pick is not None  # the positions are used
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_zero_lr_accepted_and_moves_only_the_state_like_torch(device):
     """lr=0.0 is a valid learning rate in torch (warm-up schedules start there): construction
     accepts it, and steps with weight decay leave the parameters as they were while the moments

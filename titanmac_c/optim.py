@@ -481,6 +481,8 @@ class AdamW(Optimizer):
             return False
         try:
             batch = plan.refresh(grads)
+            if batch is None:
+                return False
             groups = [self._group_hparams(gi, g) for gi, g in enumerate(self.param_groups)]
             lrs = [g["lr"] for g in self.param_groups]
             self._run_batch(batch, groups, lrs, lr, grad_scale, skip, zero_grads_on_skip, amp)
