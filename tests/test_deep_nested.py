@@ -12,9 +12,11 @@ step 142 of the TitanMAC-like run): CUDA has its own state tolerances (STATE_TOL
 """
 
 import copy
+import gc
 import io
 import math
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -532,3 +534,42 @@ def test_a_post_hook_that_raises_leaves_the_step_taken_as_the_reference():
             handle.remove()
         assert ours.global_step == ref.global_step == step
         _compare_state(ref, ours, model_r, model_o, step)
+
+
+@pytest.mark.parametrize("cms", [False, True])
+def test_no_gradient_kept_alive_between_steps(cms):
+    """zero_grad() after step() frees the step's gradients, as the reference's: ours held the
+    first one (the clip mark a direct _update_meta_components reads) and, through AdamW's plan,
+    all of them, through the next backward."""
+    torch.manual_seed(0)
+    model = make_mlp_10_32_5()
+    opt = titanmac_c.DeepNestedOptimizer(model, base_lr=1e-3, use_cms_updates=cms)
+    for step, batch in enumerate(synthetic_batches("mlp", 7, seed=1)):  # CMS: Phase 1 too
+        loss = loss_fn(model, batch)
+        loss.backward()
+        grads = [weakref.ref(p.grad) for p in model.parameters()]
+        opt.step(loss)
+        opt.zero_grad()
+        gc.collect()
+        assert sum(r() is not None for r in grads) == 0, f"step {step}: gradients kept alive"
+
+
+def test_a_scheduler_on_base_optimizer_sees_its_steps_as_the_reference_s():
+    """The reference's AdamW mode steps through base_optimizer.step(), so a torch LR scheduler
+    attached to base_optimizer sees the calls; ours made it warn "lr_scheduler.step() before
+    optimizer.step()" on every run. Neither scheduler changes the rates (the controller sets
+    them): parameters as the reference's."""
+    pairs = reference_and_ours(make_mlp_10_32_5(), base_lr=3e-3)
+    for model, opt in pairs:
+        sched = torch.optim.lr_scheduler.StepLR(opt.base_optimizer, 2)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for batch in synthetic_batches("mlp", 3, seed=2):
+                opt.zero_grad()
+                loss = loss_fn(model, batch)
+                loss.backward()
+                opt.step(loss.detach())
+                sched.step()
+        assert not [w for w in caught if "lr_scheduler.step()" in str(w.message)], type(opt)
+    for theirs, ours in zip(pairs[0][0].parameters(), pairs[1][0].parameters()):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)

@@ -2,8 +2,10 @@
 running in C (no per-parameter aten arithmetic)."""
 
 import copy
+import gc
 import io
 import pickle
+import weakref
 
 import pytest
 import torch
@@ -190,6 +192,83 @@ def test_zero_grad_forgets_pending_clip():
     ours.step()
     ref.step()
     assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("clear", ["model_zero_grad", "model_zero_grad_in_place",
+                                   "grads_to_none", "grads_assigned"])
+def test_a_pending_clip_goes_with_its_gradients_like_torchs(clear):
+    """torch's clip scales the gradients in place, so its effect goes with them: clip, skip the
+    step, clear the gradients some other way than the optimizer's zero_grad(), then a backward
+    and a step: the new gradients are not clipped. Ours dropped the pending coefficient only in
+    its own zero_grad() and applied the stale one (a batch skipped for its huge norm left a tiny
+    coefficient on the next step). Several steps, first through the full path then the plan's."""
+    pairs = []
+    for cls in (torch.optim.AdamW, titanmac_c.AdamW):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 4)
+        pairs.append((model, cls(model.parameters(), lr=0.1)))
+    x, y = torch.randn(16, 8), torch.randn(16, 4)
+    for step in range(4):
+        for kind, (model, opt) in enumerate(pairs):
+            ((model(x) - 100 * y) ** 2).mean().backward()  # the batch to skip
+            if kind == 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+            else:
+                opt.clip_grad_norm_(0.01)
+            if clear == "model_zero_grad":
+                model.zero_grad()
+            elif clear == "model_zero_grad_in_place":
+                model.zero_grad(set_to_none=False)
+            elif clear == "grads_to_none":
+                for p in model.parameters():
+                    p.grad = None
+            if clear == "grads_assigned":
+                for p in model.parameters():
+                    p.grad = torch.full_like(p, 0.5)
+            else:
+                ((model(x) - y) ** 2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        for (name, pt), po in zip(pairs[0][0].named_parameters(), pairs[1][0].parameters()):
+            torch.testing.assert_close(po, pt, rtol=1e-6, atol=1e-7,
+                                       msg=lambda m: f"step {step} {name}: {m}")
+            for key in ("exp_avg", "exp_avg_sq"):
+                torch.testing.assert_close(pairs[1][1].state[po][key], pairs[0][1].state[pt][key],
+                                           rtol=1e-6, atol=1e-9)
+
+
+def _alive(refs):
+    gc.collect()
+    return sum(r() is not None for r in refs)
+
+
+@pytest.mark.parametrize("clip", [False, True])
+def test_no_gradient_or_dropped_state_kept_alive_between_steps(clip):
+    """torch's optimizers keep no reference to a step's gradients, so zero_grad() frees them
+    before the next backward; ours kept the last step's in its cached plan (a whole extra set of
+    gradients held through the next backward), and old state tensors after state.clear()."""
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 4))
+    opt = titanmac_c.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(8, 32)
+    for step in range(4):  # the full path, then the plan's
+        model(x).square().sum().backward()
+        grads = [weakref.ref(p.grad) for p in model.parameters()]
+        if clip:
+            opt.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+        assert _alive(grads) == 0, f"step {step}: gradients kept alive"
+    model(x).square().sum().backward()
+    if clip:  # a pending coefficient whose gradients are dropped without a step
+        opt.clip_grad_norm_(1.0)
+        grads = [weakref.ref(p.grad) for p in model.parameters()]
+        model.zero_grad()
+        assert _alive(grads) == 0, "clipped gradients kept alive"
+        model(x).square().sum().backward()
+    opt.step()
+    state = [weakref.ref(t) for entry in opt.state.values() for t in entry.values()]
+    opt.state.clear()
+    assert _alive(state) == 0, "state tensors kept alive after state.clear()"
 
 
 def test_a_pending_clip_survives_load_state_dict_as_torchs_clipped_gradients():

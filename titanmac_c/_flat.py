@@ -3,6 +3,7 @@ on one device with one amsgrad), and the Plan that keeps a steady-state Batch be
 
 import functools
 import operator
+import weakref
 
 import torch
 
@@ -34,6 +35,33 @@ def in_layout_of(t, p):
     return out
 
 
+class GradientMark:
+    """Whether the gradients are still the ones of a given moment: the first grouped gradient
+    with a version counter, held by weak reference (a held gradient would stay alive through
+    zero_grad() and the next backward), and its version. A new backward, a zero_grad() (to None
+    or in place) or a gradient assigned anew changes the first gradient as it changes all."""
+
+    __slots__ = ("param", "grad", "version")
+
+    def __init__(self, param, grad):
+        self.param, self.grad, self.version = param, weakref.ref(grad), grad._version
+
+    @classmethod
+    def of(cls, param_groups):
+        """The mark of the groups' current gradients, or None when none can be marked (no
+        gradient, or only inference tensors, which keep no version)."""
+        for group in param_groups:
+            for p in group["params"]:
+                g = p.grad
+                if g is not None and not g.is_inference():
+                    return cls(p, g)
+        return None
+
+    def holds(self):
+        g = self.grad()
+        return g is not None and self.param.grad is g and g._version == self.version
+
+
 class Batch:
     """The flat lists of one C call: the tensors of every group on one device with one amsgrad."""
 
@@ -49,6 +77,13 @@ class Batch:
         self.no_plan = False
         # (name, gradient, its copy in grads) of gradients laid out anew for this step
         self.grad_copies = []
+
+    def release(self):
+        """Drop the step's gradients and state tensors, keeping the parameters: a Plan holds
+        its Batch between steps, and holding them would keep the last step's gradients alive
+        through zero_grad() and the next backward (torch's optimizers keep none), and old state
+        tensors alive after the state is replaced. refresh() reads them again."""
+        self.grads = self.exp_avgs = self.exp_avg_sqs = self.max_exp_avg_sqs = self.steps = None
 
     def permute_dense(self):
         """A parameter that is dense in another order (channels_last, transposed) goes to the C
@@ -129,6 +164,7 @@ class Plan:
     one it was built from."""
 
     def __init__(self, optimizer, batch):
+        batch.release()
         self.batch = batch
         self.state = optimizer.state
         self.n_state = len(optimizer.state)

@@ -67,6 +67,7 @@ from ._reference_dno import (
 )
 from ._distributed import is_dtensor
 from ._dno_graph import GraphState
+from ._flat import GradientMark
 from ._cms import CMSModeMixin, CMSState, init_output_on_sign, level_frequencies
 from ._dno_control import ControlStepMixin, watch_model_edits
 from ._runtime import (
@@ -415,6 +416,11 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin):
                 raise
         # gradients clipped in memory (step hooks) carry no pending coefficient
         self._clip_mark = None if self._clipped_in_place else self._mark_clipped_gradients()
+        if self._cms is None:
+            # the reference's AdamW mode steps through base_optimizer.step(), which a torch LR
+            # scheduler attached to it watches (else it warns "lr_scheduler.step() before
+            # optimizer.step()"); ours calls the fused step directly, so it says so itself
+            self.base_optimizer._opt_called = True
         if self.mode == "simple" and t % self.meta_update_freq == 0:
             # Host logic every meta_update_freq steps; a step the guard skipped gets no meta update,
             # as in the reference, whose skip returns before it.
@@ -430,27 +436,19 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin):
         return result
 
     def _mark_clipped_gradients(self):
-        """(parameter, its gradient, the gradient's version) of the first grouped gradient after
-        a step that clips: the reference clips .grad in place, ours scales only as the update
-        loads it, so a later direct _update_meta_components applies the coefficient while these
-        are still the step's gradients (no backward since)."""
+        """The GradientMark of the gradients after a step that clips: the reference clips .grad
+        in place, ours scales only as the update loads it, so a later direct
+        _update_meta_components applies the coefficient while these are still the step's
+        gradients (no backward since)."""
         if self.max_grad_norm <= 0:
             return None
-        for group in self.base_optimizer.param_groups:
-            for p in group["params"]:
-                # an inference tensor keeps no version counter: the first gradient that does
-                if p.grad is not None and not p.grad.is_inference():
-                    return p, p.grad, p.grad._version
-        return None
+        return GradientMark.of(self.base_optimizer.param_groups)
 
     def _clip_of_current_gradients(self):
         """The clip coefficient the reference's in-place clip would have left on the current
         gradients, or None (no clip, a skipped step, or gradients from a backward since)."""
         mark = self._clip_mark
-        if mark is None:
-            return None
-        p, grad, version = mark
-        if p.grad is not grad or grad._version != version or float(self.skipped) != 0.0:
+        if mark is None or not mark.holds() or float(self.skipped) != 0.0:
             return None
         return self._coef
 

@@ -25,7 +25,7 @@ from ._distributed import (
     refuse_plain_with_dtensor,
     replicated,
 )
-from ._flat import Batch, Plan, in_layout_of
+from ._flat import Batch, GradientMark, Plan, in_layout_of
 from ._runtime import (
     Scratch,
     call_dense,
@@ -190,6 +190,7 @@ class AdamW(Optimizer):
         self._scratch_bytes = {}  # (device, amsgrad, count) -> bytes the C core asked for
         self._lr_cache = {}  # device -> (host lr values, float32 tensor on device)
         self._clip_coef = {}  # device -> float32 [1] coefficient for the next step()
+        self._clip_mark = None  # _flat.GradientMark of the gradients the coefficient is for
         self._plan = None  # _flat.Plan of the last full step, when it can be reused
         # (group, 0 or 1) -> (the tensor beta there, its _version, its float): one entry a slot,
         # so a schedule that installs new tensors keeps none of the old ones alive
@@ -226,14 +227,14 @@ class AdamW(Optimizer):
         # a pending clip_grad_norm_ coefficient stays: its gradients are unchanged, as torch's
         # clipped-in-place gradients survive a load (torch's load resets the caches through
         # __setstate__)
-        clip_coef = self._clip_coef
+        clip_coef, clip_mark = self._clip_coef, self._clip_mark
         try:
             super().load_state_dict(state_dict)
         finally:
             if hooks:
                 self._optimizer_load_state_dict_pre_hooks = hooks
         self._normalize_steps(copy=True)
-        self._clip_coef = clip_coef
+        self._clip_coef, self._clip_mark = clip_coef, clip_mark
         self._plan = None
 
     def _check_loaded_state(self, state_dict):
@@ -315,7 +316,9 @@ class AdamW(Optimizer):
         total_norm: the norm already computed (e.g. group_norms().total_grad, or what
         get_total_norm returned): a one-element floating tensor or a number; then no pass over
         the gradients is made here, and the result has its dtype. The gradients themselves are not
-        modified. zero_grad() forgets a pending coefficient; load_state_dict() keeps it.
+        modified. The coefficient serves only these gradients: a zero_grad() (the optimizer's or
+        the model's), a gradient set anew, another backward or an in-place edit before the step
+        drops it, as torch's clipped gradients would be gone; load_state_dict() keeps it.
         """
         from .functional import (_check_max_norm, _check_norm_type, _local_norm,
                                  _raise_if_nonfinite, _result_dtype, _sharded)
@@ -377,6 +380,7 @@ class AdamW(Optimizer):
         if error_if_nonfinite:  # the norm as returned: an fp16 one is inf where the float32 one
             _raise_if_nonfinite(result, norm_type)  # is finite, and torch raises there
         self._clip_coef = {device: buf[1:2]}
+        self._clip_mark = GradientMark.of(self.param_groups)
         return result if mesh is None else replicated(mesh, result)
 
     @torch.no_grad()
@@ -432,6 +436,11 @@ class AdamW(Optimizer):
             self._fused_step_impl(lr, grad_scale, skip, zero_grads_on_skip, amp)
 
     def _fused_step_impl(self, lr, grad_scale, skip, zero_grads_on_skip, amp):
+        if self._clip_coef and self._clip_mark is not None and not self._clip_mark.holds():
+            # the clipped gradients are gone (zeroed, replaced or accumulated onto by another
+            # backward, e.g. model.zero_grad() after a skipped batch): torch's clip scaled those
+            # in place, so the gradients of this step are not clipped
+            self._clip_coef = {}
         args = (lr, grad_scale, skip, zero_grads_on_skip, amp)
         if self._planned_step(*args):
             return
@@ -488,6 +497,8 @@ class AdamW(Optimizer):
             self._run_batch(batch, groups, lrs, lr, grad_scale, skip, zero_grads_on_skip, amp)
         except (ValueError, TypeError, BufferError, RuntimeError, KeyError):
             return False  # validated before any write: the full path repeats it with names
+        finally:
+            plan.batch.release()
         self._clip_coef = {}
         self._plan = plan
         return True
