@@ -68,6 +68,24 @@ def test_grad_scaler_step_does_not_sync(unscale):
     assert float(opt.state[params[0]]["step"]) == 4.0
 
 
+def test_numbers_given_for_tensors_do_not_sync():
+    """A total_norm given to AdamW.clip_grad_norm_ as a number, and a GradScaler found_inf that
+    is a number (its sum of no flags), become device tensors by a fill, not by a copy from host
+    memory (which waits for the GPU)."""
+    params = make_params(SIZES, "cuda")
+    opt = titanmac_c.AdamW(params, lr=1e-3)
+    set_grads(params, params, 0)
+    opt.step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        opt.clip_grad_norm_(1.0, total_norm=3.5)
+        opt.grad_scale, opt.found_inf = None, 0
+        opt.step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
 def test_scheduler_lr_changes_do_not_sync():
     params = make_params([1000, 3], "cuda")
     opt = titanmac_c.AdamW(params, lr=1e-2)

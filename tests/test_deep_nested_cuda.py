@@ -37,7 +37,7 @@ def _train(model, opt, batches, set_to_none=True, nan_loss_at=None):
 
 
 @pytest.mark.parametrize("mode", ["adamw", "cms", "cms_fixed", "cms_legacy"])
-@pytest.mark.parametrize("graph", [False, True])
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])  # memcheck: -k "not graph"
 def test_step_makes_no_host_sync(graph, mode):
     """Steps 6-12: in CMS mode with the DirectUpdateMLP step 10 also runs Phase 1 (the surrogate
     training, every 5; with the fixes on the current gradients, between two graphs in graph

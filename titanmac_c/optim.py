@@ -54,7 +54,8 @@ def _given_total_norm(total_norm, device):
     """clip_grad_norm_'s total_norm as a one-element floating tensor on the gradients' device
     (a number becomes a float32 one); its dtype is the result's."""
     if isinstance(total_norm, numbers.Real) and not isinstance(total_norm, bool):
-        return torch.tensor([float(total_norm)], dtype=torch.float32, device=device)
+        # a fill, not torch.tensor([x], device=...): a copy from host memory waits for the GPU
+        return torch.full((1,), float(total_norm), dtype=torch.float32, device=device)
     if not isinstance(total_norm, Tensor):
         raise TypeError(f"total_norm: expected a tensor or a number, got "
                         f"{type(total_norm).__name__}")
@@ -96,7 +97,8 @@ class _AmpScaling:
 
     @staticmethod
     def _one(name, value):
-        """value as a float32 [1] tensor (a number, as GradScaler's sum of no flags, too)."""
+        """value as a float32 [1] tensor, or a number (GradScaler's sum of no flags) as a float
+        that inputs() fills in on the device."""
         if isinstance(value, Tensor):
             if value.numel() != 1 or value.is_complex():
                 raise ValueError(f"optimizer.{name}: expected one real value, got a tensor of "
@@ -105,14 +107,17 @@ class _AmpScaling:
         if not isinstance(value, numbers.Real):
             raise TypeError(f"optimizer.{name}: expected a tensor or a number, got "
                             f"{type(value).__name__}")
-        return torch.tensor([float(value)], dtype=torch.float32)
+        return float(value)
 
     def inputs(self, device):
-        """(loss_scale, skip) of tm_adamw_step for the tensors on device."""
+        """(loss_scale, skip) of tm_adamw_step for the tensors on device (a number as a fill
+        there: a copy from host memory would wait for the GPU)."""
         cached = self._per_device.get(device)
         if cached is None:
             cached = self._per_device[device] = tuple(
-                None if t is None else t.to(device) for t in (self.loss_scale, self.found_inf))
+                None if t is None else t.to(device) if isinstance(t, Tensor)
+                else torch.full((1,), t, dtype=torch.float32, device=device)
+                for t in (self.loss_scale, self.found_inf))
         return cached
 
 
