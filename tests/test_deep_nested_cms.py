@@ -555,3 +555,55 @@ def test_state_keeps_2k_plus_1_buffers_and_checkpoints_keep_the_reference_layout
         _one_step(model_r, back, batch, step, inject=False)
         _one_step(model_o, ours, batch, step, inject=False)
         _compare(back, ours, model_r, model_o, step)
+
+
+@pytest.mark.parametrize("fixes", [False, True])
+def test_graph_mode_step_logic_with_simulated_replays(monkeypatch, fixes):
+    """CUDA-graph mode's step logic on the CPU: GraphState._replay replaced by one that keeps the
+    calls of a kind of step the first time (as a capture freezes the Python values it saw, t
+    among them) and runs those on every replay. Covers the kinds of step and their keys, the
+    two-graph Phase 1 step (statistics and control, Phase 1 eagerly, then Phase 2), static
+    gradients zeroed in place, base_lr through a tensor and a NaN loss on a Phase 1 step,
+    against eager steps. Not covered: what only a real capture does (memory fixed at capture,
+    Python side effects of the calls happening once)."""
+    from titanmac_c._dno_graph import GraphState
+
+    replayed = []
+
+    def replay(self, key, calls):
+        kept = self.graphs.setdefault(key, calls)
+        self.captured = True
+        replayed.append(key)
+        kept()
+
+    monkeypatch.setattr(GraphState, "_replay", replay)
+    runs = []
+    batches = synthetic_batches("mlp", 16, seed=5)
+    for graph in (False, True):
+        model = make_mlp_10_32_5()
+        torch.manual_seed(0)  # the networks' initialisation
+        opt = titanmac_c.DeepNestedOptimizer(model, use_cms_updates=True,
+                                             fix_reference_bugs=fixes,
+                                             cms_frequencies=[1, 3, 7],  # kinds of step
+                                             cuda_graph_warmup_steps=2)
+        opt._phase1_cpu_path = False  # CUDA's Phase 1 (torch ops, no host read of the skip)
+        if graph:
+            opt._graph = GraphState(opt)
+        for step, batch in enumerate(batches, 1):
+            opt.zero_grad(set_to_none=not graph)
+            loss = loss_fn(model, batch)
+            loss.backward()
+            if step == 12:
+                opt.base_lr = opt.base_lr * 0.5  # a schedule, through the base_lr tensor
+            opt.step(loss.detach() * float("nan") if step == 10 else loss.detach())
+        runs.append((model, opt))
+    (model_e, eager), (model_g, graphed) = runs
+    kinds = set(replayed)
+    assert {k for k in kinds if k[0] in ("head", "tail")} and len(kinds) >= 4, kinds
+    assert replayed.count(("head", False)) + replayed.count(("head", True)) == 3  # steps 5, 10, 15
+    assert graphed.global_step == eager.global_step == 16
+    for pe, pg in zip(model_e.parameters(), model_g.parameters()):
+        torch.testing.assert_close(pg, pe, rtol=1e-5, atol=1e-6)
+    for we, wg in zip(eager.momentum_mlp.parameters(), graphed.momentum_mlp.parameters()):
+        torch.testing.assert_close(wg, we, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(graphed._lr, eager._lr)

@@ -6,7 +6,7 @@ between two graphs, the statistics and control before it and Phase 2 after. The 
 in static buffers (zero_grad zeroes them in place; a gradient that was reallocated anyway is
 copied in), base_lr reaches the graph through a device tensor, and a reload re-captures (B8, B9,
 B10 fixed). Tested on an H100 against eager, AdamW and CMS modes (the two-graph Phase 1 step not
-yet).
+yet: its logic is tested on the CPU with simulated replays, tests/test_deep_nested_cms.py).
 """
 
 import warnings
