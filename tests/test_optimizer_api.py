@@ -194,6 +194,17 @@ def test_zero_grad_forgets_pending_clip():
     assert torch.equal(p, q)
 
 
+def _assert_models_match(pairs, step):
+    """pairs: [(model, torch's AdamW), (model, ours)]: parameters and moments alike."""
+    (model_t, opt_t), (model_o, opt_o) = pairs
+    for (name, pt), po in zip(model_t.named_parameters(), model_o.parameters()):
+        torch.testing.assert_close(po, pt, rtol=1e-6, atol=1e-7,
+                                   msg=lambda m: f"step {step} {name}: {m}")
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(opt_o.state[po][key], opt_t.state[pt][key],
+                                       rtol=1e-6, atol=1e-9)
+
+
 @pytest.mark.parametrize("clear", ["model_zero_grad", "model_zero_grad_in_place",
                                    "grads_to_none", "grads_assigned"])
 def test_a_pending_clip_goes_with_its_gradients_like_torchs(clear):
@@ -229,12 +240,7 @@ def test_a_pending_clip_goes_with_its_gradients_like_torchs(clear):
                 ((model(x) - y) ** 2).mean().backward()
             opt.step()
             opt.zero_grad()
-        for (name, pt), po in zip(pairs[0][0].named_parameters(), pairs[1][0].parameters()):
-            torch.testing.assert_close(po, pt, rtol=1e-6, atol=1e-7,
-                                       msg=lambda m: f"step {step} {name}: {m}")
-            for key in ("exp_avg", "exp_avg_sq"):
-                torch.testing.assert_close(pairs[1][1].state[po][key], pairs[0][1].state[pt][key],
-                                           rtol=1e-6, atol=1e-9)
+        _assert_models_match(pairs, step)
 
 
 def _alive(refs):
@@ -291,12 +297,7 @@ def test_a_pending_clip_survives_load_state_dict_as_torchs_clipped_gradients():
             if step >= 2:
                 opt.load_state_dict(copy.deepcopy(opt.state_dict()))
             opt.step()
-        for (name, pt), po in zip(pairs[0][0].named_parameters(), pairs[1][0].parameters()):
-            torch.testing.assert_close(po, pt, rtol=1e-6, atol=1e-7,
-                                       msg=lambda m: f"step {step} {name}: {m}")
-            for key in ("exp_avg", "exp_avg_sq"):
-                torch.testing.assert_close(pairs[1][1].state[po][key], pairs[0][1].state[pt][key],
-                                           rtol=1e-6, atol=1e-9)
+        _assert_models_match(pairs, step)
 
 
 def test_loading_does_not_alias_the_checkpoint():
