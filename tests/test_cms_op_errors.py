@@ -225,3 +225,36 @@ def test_missing_keyword():
     del kw["t"]
     with pytest.raises(TypeError, match="missing required keyword-only argument: 't'"):
         _C.cms_step(*[args[k] for k in ORDER], **kw)
+
+
+class _Refused(Exception):
+    pass
+
+
+class _RaisesOnConversion:
+    def __bool__(self):
+        raise _Refused("no truth value")
+
+    def __float__(self):
+        raise _Refused("no float")
+
+
+class _ConvertsInPython:
+    """A value whose conversion runs Python code: after a failed conversion it would run with
+    an exception set, which CPython turns into a SystemError."""
+
+    def __bool__(self):
+        return True
+
+    def __float__(self):
+        return 1.0
+
+
+@pytest.mark.parametrize("key", ["fires", "divisors", "ema_decays"])
+def test_a_level_value_that_raises_is_reported_as_it_raised(key):
+    args, kw = _valid()
+    kw[key] = [kw[key][0], _RaisesOnConversion(), _ConvertsInPython()]
+    snap = [t.clone() for t in _written(args)]
+    with pytest.raises(_Refused):
+        _C.cms_step(*[args[k] for k in ORDER], **kw)
+    assert all(torch.equal(a, b) for a, b in zip(_written(args), snap)), "a tensor was written"

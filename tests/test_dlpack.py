@@ -135,3 +135,34 @@ def test_protocol_path_gives_the_same_results():
                          timeout=300, cwd=tempfile.gettempdir())
     assert out.returncode == 0, out.stderr
     assert "protocol-ok" in out.stdout
+
+
+def test_classes_made_at_run_time_are_not_kept_alive():
+    """The binding remembers which types carry torch's DLPack exchange table; a class without
+    one that is defined at run time (a wrapper made per call) was remembered too, with
+    everything its class dict holds, for the life of the process (up to 16 of them)."""
+    import gc
+    import weakref
+
+    refs = []
+    for _ in range(20):
+        payload = torch.zeros(1 << 16)
+
+        class Wrapper:
+            held = payload
+
+            def __dlpack__(self, stream=None, max_version=None):
+                return torch.ones(3).__dlpack__(stream=stream, max_version=max_version)
+
+        assert _C._import(Wrapper())["numel"] == 3
+        refs.append((weakref.ref(Wrapper), weakref.ref(payload)))
+        del Wrapper, payload
+    gc.collect()
+    assert sum(c() is not None or p() is not None for c, p in refs) == 0
+
+    class Sub(torch.Tensor):  # a table through inheritance: still taken, and still correct
+        pass
+
+    for _ in range(3):
+        t = torch.arange(5.0).as_subclass(Sub)
+        assert _C._import(t)["data"] == t.data_ptr()

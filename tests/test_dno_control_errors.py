@@ -188,3 +188,27 @@ def test_mixed_devices():
     args, kw = _valid_call(device="cuda")
     args["loss"] = torch.ones(1)
     _expect_error(args, kw, ValueError, "loss: on cpu, but group_grad is on cuda:0")
+
+
+class _Refused(Exception):
+    pass
+
+
+class _RaisesOnFloat:
+    def __float__(self):
+        raise _Refused("no float")
+
+
+class _FloatInPython:
+    def __float__(self):  # Python code: must not run with an exception set (SystemError)
+        return 1.0
+
+
+def test_a_base_lr_that_raises_is_reported_as_it_raised():
+    args, kw = _valid_call()
+    kw["base_lr"], kw["max_grad_norm"] = _RaisesOnFloat(), _FloatInPython()
+    outs = {k: args[k].clone() for k in ("mu", "ema", "lr", "coef", "skip")}
+    with pytest.raises(_Refused):
+        _call(args, kw)
+    for k, v in outs.items():
+        assert torch.equal(args[k], v), f"{k} was written"

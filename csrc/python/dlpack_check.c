@@ -103,9 +103,10 @@ usable_table(const void *ptr)
 }
 
 /* DLPack 1.3 names the attribute __dlpack_c_exchange_api__ (capsule "dlpack_exchange_api");
- * 1.2-era producers set __c_dlpack_exchange_api__ as an int or a capsule (as tvm-ffi accepts). */
+ * 1.2-era producers set __c_dlpack_exchange_api__ as an int or a capsule (as tvm-ffi accepts).
+ * *owner: a new reference to the attribute that gave the table, NULL when there is none. */
 static const DLPackExchangeAPI *
-lookup_table(py_state *st, PyTypeObject *type)
+lookup_table(py_state *st, PyTypeObject *type, PyObject **owner)
 {
     const void *ptr = NULL;
     PyObject *attr = PyObject_GetAttr((PyObject *)type, st->s_exchange_api);
@@ -121,9 +122,13 @@ lookup_table(py_state *st, PyTypeObject *type)
             ptr = PyLong_AsVoidPtr(attr);
         }
     }
-    Py_XDECREF(attr);
     PyErr_Clear();
-    return ptr != NULL ? usable_table(ptr) : NULL;
+    const DLPackExchangeAPI *api = ptr != NULL ? usable_table(ptr) : NULL;
+    if (api == NULL) {
+        Py_CLEAR(attr);
+    }
+    *owner = attr;
+    return api;
 }
 
 const DLPackExchangeAPI *
@@ -137,11 +142,17 @@ py_exchange_api(py_state *st, PyTypeObject *type)
             return st->api_cache[i].api;
         }
     }
-    const DLPackExchangeAPI *api = lookup_table(st, type);
-    if (st->n_api < PY_API_CACHE_SIZE) {
-        st->api_cache[st->n_api].type = (PyTypeObject *)Py_NewRef((PyObject *)type);
-        st->api_cache[st->n_api].api = api;
-        st->n_api++;
+    PyObject *owner;
+    const DLPackExchangeAPI *api = lookup_table(st, type, &owner);
+    int remember = api != NULL || !(type->tp_flags & Py_TPFLAGS_HEAPTYPE);
+    if (remember && st->n_api < PY_API_CACHE_SIZE) {
+        py_api_entry *e = &st->api_cache[st->n_api++];
+        e->type = (PyTypeObject *)Py_NewRef((PyObject *)type);
+        e->api = api;
+        e->owner = owner; /* the reference lookup_table gave */
+    } else {
+        Py_XDECREF(owner); /* not cached: a table of an uncached type is used for this call
+                              only, while the type (and so its attribute) is alive */
     }
     return api;
 }

@@ -158,6 +158,7 @@ module_traverse(PyObject *module, visitproc visit, void *arg)
     Py_VISIT(st->error);
     for (int i = 0; i < st->n_api; i++) {
         Py_VISIT(st->api_cache[i].type);
+        Py_VISIT(st->api_cache[i].owner);
     }
     return 0;
 }
@@ -172,6 +173,7 @@ module_clear(PyObject *module)
     Py_CLEAR(st->error);
     for (int i = 0; i < st->n_api; i++) {
         Py_CLEAR(st->api_cache[i].type);
+        Py_CLEAR(st->api_cache[i].owner);
     }
     st->n_api = 0;
     Py_CLEAR(st->s_dlpack);

@@ -85,7 +85,9 @@ parse_level_numbers(PyObject *const seqs[3], Py_ssize_t k, tm_cms_args *a)
             (tup = PySequence_Tuple(seqs[s])) == NULL) {
             return -1;
         }
-        for (Py_ssize_t l = 0; l < k && l < PyTuple_GET_SIZE(tup); l++) {
+        /* stop at the first failure: the next conversion may run Python code (__bool__,
+         * __float__), which must not run with an exception set */
+        for (Py_ssize_t l = 0; l < k && l < PyTuple_GET_SIZE(tup) && !PyErr_Occurred(); l++) {
             PyObject *item = PyTuple_GET_ITEM(tup, l);
             if (s == 0) {
                 a->fires[l] = PyObject_IsTrue(item);

@@ -25,12 +25,16 @@ Py_NewRef(PyObject *obj)
 #endif
 
 /* Types seen by the importer (torch.Tensor, nn.Parameter, numpy.ndarray, ...). A full cache only
- * means further types are looked up on every call, never a wrong answer. */
+ * means further types are looked up on every call, never a wrong answer. A type without a table
+ * is remembered only when it is a static type: a class defined at run time (a wrapper made per
+ * call or per test) would otherwise be kept alive, with all it holds, for the process's life. */
 #define PY_API_CACHE_SIZE 16
 
 typedef struct {
     PyTypeObject *type;           /* strong reference */
     const DLPackExchangeAPI *api; /* NULL: the type offers no usable table */
+    PyObject *owner;              /* the attribute that gave api (strong: a capsule owning the
+                                     table keeps it valid if the attribute is replaced), or NULL */
 } py_api_entry;
 
 typedef struct {

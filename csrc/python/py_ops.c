@@ -248,6 +248,9 @@ dno_required(PyObject *const obj[7], char *const names[7], tm_dno_control_args *
     a->first_step = v[3];
     a->check_loss = v[4];
     a->base_lr = PyFloat_AsDouble(obj[5]);
+    if (a->base_lr == -1.0 && PyErr_Occurred()) {
+        return -1; /* before the next conversion runs Python code with an exception set */
+    }
     a->max_grad_norm = PyFloat_AsDouble(obj[6]);
     return PyErr_Occurred() ? -1 : 0;
 }
