@@ -573,3 +573,34 @@ def test_a_scheduler_on_base_optimizer_sees_its_steps_as_the_reference_s():
         assert not [w for w in caught if "lr_scheduler.step()" in str(w.message)], type(opt)
     for theirs, ours in zip(pairs[0][0].parameters(), pairs[1][0].parameters()):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_a_stepped_optimizer_pickles_and_deep_copies():
+    """torch.save of the whole optimizer (pickle) and copy.deepcopy after a clipping step: the
+    step's gradient mark is a weak reference, which pickle cannot take; the copies step on as
+    the original does."""
+
+    model = make_mlp_10_32_5()
+    torch.manual_seed(0)
+    opt = titanmac_c.DeepNestedOptimizer(model, base_lr=1e-3, max_grad_norm=0.5)
+    batches = synthetic_batches("mlp", 4, seed=3)
+    loss = loss_fn(model, batches[0])
+    loss.backward()
+    opt.step(loss)
+    assert opt._clip_mark is not None and opt._clip_mark.holds()
+    copied = copy.deepcopy((model, opt))  # torch copies a Parameter without its .grad
+    assert not copied[1]._clip_mark.holds()
+    buf = io.BytesIO()
+    torch.save((model, opt), buf)
+    buf.seek(0)
+    unpickled = torch.load(buf, weights_only=False)
+    assert not unpickled[1]._clip_mark.holds()
+    for m, o in [(model, opt), copied, unpickled]:
+        for batch in batches[1:]:
+            o.zero_grad()
+            loss = loss_fn(m, batch)
+            loss.backward()
+            o.step(loss)
+    for theirs in (copied[0], unpickled[0]):
+        for p, q in zip(model.parameters(), theirs.parameters()):
+            torch.testing.assert_close(q, p, rtol=0, atol=0)

@@ -61,6 +61,22 @@ class GradientMark:
         g = self.grad()
         return g is not None and self.param.grad is g and g._version == self.version
 
+    def __reduce__(self):
+        # pickle and deepcopy: a weak reference cannot be pickled, and the copy's gradients are
+        # not the ones marked (torch copies a Parameter without its .grad): a mark that no
+        # longer holds
+        return _lapsed_mark, (self.param, self.version)
+
+
+def _lapsed_mark(param, version):
+    mark = GradientMark.__new__(GradientMark)
+    mark.param, mark.grad, mark.version = param, _gone, version
+    return mark
+
+
+def _gone():
+    return None
+
 
 class Batch:
     """The flat lists of one C call: the tensors of every group on one device with one amsgrad."""
