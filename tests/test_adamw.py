@@ -250,16 +250,23 @@ def test_fp32_mostly_bitwise_equal_to_torch():
     assert same > 0.9, f"only {same:.3f} of the elements are bitwise equal"
 
 
+def _pair_in_steady_state(sizes, device):
+    """Ours and torch's AdamW on twin parameters after 3 identical steps (ours then steps
+    through its cached plan)."""
+    params_a = make_params(sizes, device, misaligned=False)
+    params_b = clone_params(params_a)
+    ours = titanmac_c.AdamW(params_a, lr=1e-2, weight_decay=0.01)
+    theirs = torch.optim.AdamW(params_b, lr=1e-2, weight_decay=0.01)
+    run_pair(ours, theirs, params_a, params_b, steps=3)
+    return params_a, params_b, ours, theirs
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_steps_follow_changes_to_groups_and_state(device):
     """step() keeps its flat lists between steps (titanmac_c._flat.Plan) and re-reads the
     gradients and state tensors; a parameter replaced inside a group list, a new group, a missing
     gradient, a reloaded state and a clip must each take effect exactly as in torch."""
-    params_a = make_params([10, 20, 30], device, misaligned=False)
-    params_b = clone_params(params_a)
-    ours = titanmac_c.AdamW(params_a, lr=1e-2, weight_decay=0.01)
-    theirs = torch.optim.AdamW(params_b, lr=1e-2, weight_decay=0.01)
-    run_pair(ours, theirs, params_a, params_b, steps=3)
+    params_a, params_b, ours, theirs = _pair_in_steady_state([10, 20, 30], device)
     assert ours._plan is not None  # the steady state runs through the plan
 
     # the same list object, one element replaced (same length)
@@ -310,11 +317,7 @@ def test_state_edits_between_planned_steps_take_effect_like_torch(device):
     replaced under its key, a state dict whose keys were re-inserted in another order, and one
     holding an extra key must each be read as torch reads them (by parameter). One size for all:
     a mix-up of entries would not be refused by the C core's size checks."""
-    params_a = make_params([20, 20, 20], device, misaligned=False)
-    params_b = clone_params(params_a)
-    ours = titanmac_c.AdamW(params_a, lr=1e-2, weight_decay=0.01)
-    theirs = torch.optim.AdamW(params_b, lr=1e-2, weight_decay=0.01)
-    run_pair(ours, theirs, params_a, params_b, steps=3)
+    params_a, params_b, ours, theirs = _pair_in_steady_state([20, 20, 20], device)
     assert ours._plan is not None
 
     def edit(opt, params, offset):
@@ -346,7 +349,7 @@ def test_state_edits_between_planned_steps_take_effect_like_torch(device):
     theirs.state[stray] = {"note": 1}
     run_pair(ours, theirs, params_a, params_b, steps=2)
     assert_state_close(ours, theirs, params_a, params_b, tol(torch.float32, device))
-    assert ours._plan is not None and ours._plan.pick is not None  # the positions are used
+    assert ours._plan is not None and ours._plan.order is not None  # the positions are used
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -376,11 +379,7 @@ def test_parameter_replaced_in_a_group_list_with_its_old_state_kept(device):
     """A parameter replaced inside a group's list after steps (the cached plan exists, the old
     parameter keeps its state and a gradient, so the state's size is unchanged): the new one is
     stepped from fresh state and the old one no longer moves, as in torch."""
-    params_a = make_params([10, 20, 30], device, misaligned=False)
-    params_b = clone_params(params_a)
-    ours = titanmac_c.AdamW(params_a, lr=1e-2, weight_decay=0.01)
-    theirs = torch.optim.AdamW(params_b, lr=1e-2, weight_decay=0.01)
-    run_pair(ours, theirs, params_a, params_b, steps=3)
+    params_a, params_b, ours, theirs = _pair_in_steady_state([10, 20, 30], device)
     assert ours._plan is not None
     old_a, old_b = params_a[1], params_b[1]
     new_a = torch.nn.Parameter(torch.randn(20, device=device))

@@ -15,7 +15,6 @@ they held its values.
 """
 
 import math
-import numbers
 
 import torch
 
@@ -34,7 +33,7 @@ from ._reference_dno import (
     _fused_clip_grad_norm_,
     _tensor_stats,
 )
-from ._runtime import exec_kwargs, mark_written
+from ._runtime import exec_kwargs, is_one_number, mark_written
 from ._surrogate import SurrogatePlan, surrogate_gradient
 
 CMS_BUFFERS = ("momentum", "accumulated_grad", "ema_grad", "v_sq")
@@ -166,8 +165,7 @@ class CMSState:
 def _check_count(name, count):
     """A level's fire count as a checkpoint or a ContinuumMemoryState holds it: a number or a
     one-element tensor with a value."""
-    if not (isinstance(count, numbers.Real) and not isinstance(count, bool)
-            or torch.is_tensor(count) and count.numel() == 1 and count.device.type != "meta"):
+    if not is_one_number(count):
         raise ValueError(f"{name}: {count!r}, expected a number")
 
 

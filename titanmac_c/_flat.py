@@ -183,7 +183,6 @@ class Plan:
         batch.release()
         self.batch = batch
         self.state = optimizer.state
-        self.n_state = len(optimizer.state)
         # The state entries are read by position in the state dict, not by key: a lookup hashes
         # the parameter through Tensor.__hash__, a Python function (~0.1 us a tensor, a fifth of
         # a planned step's host time at 1,000 tensors). Valid while the dict holds the same keys
@@ -192,14 +191,14 @@ class Plan:
         self.keys = tuple(optimizer.state)
         position = {id(k): i for i, k in enumerate(self.keys)}
         order = tuple(position[id(p)] for p in batch.params)
-        self.in_order = order == tuple(range(len(self.keys)))
-        self.pick = None if self.in_order else operator.itemgetter(*order)
+        # None: the dict holds exactly the batch's parameters, in batch order (the usual case)
+        self.order = None if order == tuple(range(len(self.keys))) else order
         self.groups = [(g, g["params"], list(g["params"]), bool(g["amsgrad"]))
                        for g in optimizer.param_groups]
 
     def matches(self, optimizer):
         groups = optimizer.param_groups
-        if (optimizer.state is not self.state or len(self.state) != self.n_state
+        if (optimizer.state is not self.state or len(self.state) != len(self.keys)
                 or len(groups) != len(self.groups)):
             return False
         for group, (built, listed, params, amsgrad) in zip(groups, self.groups):
@@ -228,10 +227,7 @@ class Plan:
         if len(state) != len(self.keys) or not all(map(operator.is_, state, self.keys)):
             return None
         entries = list(state.values())
-        if self.in_order:
-            return entries
-        picked = self.pick(entries)
-        return list(picked) if isinstance(picked, tuple) else [picked]
+        return entries if self.order is None else list(map(entries.__getitem__, self.order))
 
     def refresh(self, grads):
         """The batch with these gradients and the state tensors read again (KeyError when an

@@ -2,6 +2,7 @@
 error messages that point at the user's parameters instead of at positions in a flat list."""
 
 import math
+import numbers
 import re
 
 import torch
@@ -173,6 +174,14 @@ def as_number(name: str, value, expected: str = "a number") -> float:
         raise ValueError(f"{name} = {value!r}: expected {expected}") from None
 
 
+def is_one_number(value) -> bool:
+    """Whether a count or step read from a checkpoint or a state entry holds one real value: a
+    number (not a bool) or a one-element tensor with a value (not on the meta device)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1 and value.device.type != "meta"
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 def float_in_range(name: str, value, low: float, high: float, high_open: bool = True) -> float:
     """Validate a host hyperparameter: finite, in [low, high) (or [low, high])."""
     value = as_number(name, value)
@@ -194,4 +203,4 @@ def check_supported_dtype(name: str, tensor: torch.Tensor) -> None:
 
 
 __all__ = ["exec_kwargs", "mark_written", "norms_scratch", "Scratch", "reraise_with_names",
-           "as_number", "float_in_range", "_C"]
+           "as_number", "is_one_number", "float_in_range", "_C"]

@@ -32,6 +32,7 @@ from ._runtime import (
     check_supported_dtype,
     exec_kwargs,
     float_in_range,
+    is_one_number,
     mark_written,
     norms_scratch,
     reraise_with_names,
@@ -284,13 +285,11 @@ class AdamW(Optimizer):
         step = entry.get("step")
         if step is None:
             raise ValueError(f"load_state_dict: {name}: state has no 'step'")
-        if isinstance(step, Tensor):
-            if step.numel() != 1 or step.device.type == "meta":
-                raise ValueError(f"load_state_dict: {name}: step has {step.numel()} elements "
-                                 f"on {step.device}, not 1 with a value")
-        elif not isinstance(step, numbers.Real) or isinstance(step, bool):
-            raise ValueError(f"load_state_dict: {name}: step is a {type(step).__name__}, not a "
-                             "number or a one-element tensor")
+        if not is_one_number(step):
+            problem = (f"step has {step.numel()} elements on {step.device}, not 1 with a value"
+                       if isinstance(step, Tensor) else f"step is a {type(step).__name__}, not a "
+                       "number or a one-element tensor")
+            raise ValueError(f"load_state_dict: {name}: {problem}")
         if not float(step) >= 0.0:  # -1 divides by zero in the bias correction (NaN parameters)
             raise ValueError(f"load_state_dict: {name}: step = {float(step)}, must be >= 0")
 
