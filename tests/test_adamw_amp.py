@@ -64,6 +64,7 @@ def assert_same_run(ours, theirs, params_a, params_b, scalers, tolerance):
 @pytest.mark.parametrize("dtype, unscale", [
     (torch.float32, False), (torch.bfloat16, False), (torch.float16, False),
     (torch.float32, True), (torch.bfloat16, True),  # unscale_ refuses fp16 gradients
+    (torch.float64, False), (torch.float64, True),
 ])
 def test_grad_scaler_matches_torch_fused(device, dtype, unscale):
     """Without unscale_ the gradients reach step() scaled (GradScaler passes grad_scale); after

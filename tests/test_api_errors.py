@@ -41,8 +41,16 @@ def test_state_dtype_mismatch():
 
 def test_state_unsupported_dtype():
     opt, params = _setup()
+    opt.state[params[1]]["exp_avg_sq"] = opt.state[params[1]]["exp_avg_sq"].to(torch.int32)
+    expect_refused(opt, params, BufferError, r"exp_avg_sq\[\d\]: dtype int32 is not supported")
+
+
+def test_state_of_another_precision():
+    """float64 state of a float32 parameter (both dtypes the C core takes) is a mismatch, named."""
+    opt, params = _setup()
     opt.state[params[1]]["exp_avg_sq"] = opt.state[params[1]]["exp_avg_sq"].double()
-    expect_refused(opt, params, BufferError, r"exp_avg_sq\[\d\]: dtype float64 is not supported")
+    expect_refused(opt, params, ValueError,
+                   r"exp_avg_sq\[\d\]: dtype float64 does not match params\[\d\] dtype float32")
 
 
 def test_state_size_mismatch():
@@ -305,7 +313,7 @@ def test_wrong_python_types():
 def test_lr_tensor_of_wrong_size():
     p, g, m, v = torch.ones(3), torch.ones(3), torch.zeros(3), torch.zeros(3)
     step = torch.zeros(())
-    with pytest.raises(ValueError, match=r"lr: expected float32 with 2 elements"):
+    with pytest.raises(ValueError, match=r"lr: expected float32 or float64 with 2 elements"):
         _C.adamw_step([p], [g], [m], [v], [], [step], torch.ones(1),
                       [(0.9, 0.999, 1e-8, 0.0, False)] * 2)
     assert torch.equal(p, torch.ones(3)) and float(step) == 0.0
@@ -434,12 +442,12 @@ def test_mixed_amsgrad_groups_precheck_covers_corrupted_state(spoil, exc, match)
     expect_refused(opt, a + b, exc, rf"param_groups\[1\]\['params'\]\[1\]: .*{match}")
 
 
-def test_float64_parameter_with_state_from_torch_is_refused_before_any_write():
-    """torch.optim.AdamW trains float64; its checkpoint loads into ours, whose first step then
-    refuses the float64 parameter (TypeError, as with fresh state) before the other group's call
-    writes anything."""
+def test_complex_parameter_with_state_from_torch_is_refused_before_any_write():
+    """torch.optim.AdamW trains complex parameters; its checkpoint loads into ours, whose first
+    step then refuses the complex parameter (TypeError, as with fresh state) before the other
+    group's call writes anything."""
     a = torch.nn.Parameter(torch.randn(4))
-    b = torch.nn.Parameter(torch.randn(4, dtype=torch.float64))
+    b = torch.nn.Parameter(torch.randn(4, dtype=torch.complex64))
     groups = [{"params": [a]}, {"params": [b], "amsgrad": True}]
     theirs = torch.optim.AdamW(copy.deepcopy(groups), lr=0.1)
     for p in theirs.param_groups[0]["params"] + theirs.param_groups[1]["params"]:
@@ -447,9 +455,9 @@ def test_float64_parameter_with_state_from_torch_is_refused_before_any_write():
     theirs.step()
     opt = titanmac_c.AdamW(groups, lr=0.1)
     opt.load_state_dict(theirs.state_dict())
-    a.grad, b.grad = torch.ones(4), torch.ones(4, dtype=torch.float64)
+    a.grad, b.grad = torch.ones(4), torch.ones(4, dtype=torch.complex64)
     expect_refused(opt, [a, b], TypeError,
-                   r"param_groups\[1\]\['params'\]\[0\]: dtype float64 is not supported")
+                   r"param_groups\[1\]\['params'\]\[0\]: dtype complex64 is not supported")
 
 
 # --------------------------------------------------------------- tensors sharing memory
@@ -499,9 +507,9 @@ def test_clip_refuses_gradients_sharing_memory_and_names_parameters():
                                          r"parameters\[1\]\)$"):
         titanmac_c.clip_grad_norm_([z, a, b, c], 1.0)
     assert torch.equal(a.grad, torch.full((6,), 3.0))
-    c = torch.nn.Parameter(torch.randn(6, dtype=torch.float64))
-    c.grad = torch.randn(6, dtype=torch.float64)
-    with pytest.raises(BufferError, match=r"^grads\[1\]: .*float64.*\(parameters\[2\]\)$"):
+    c = torch.nn.Parameter(torch.randn(6, dtype=torch.complex64))
+    c.grad = torch.randn(6, dtype=torch.complex64)
+    with pytest.raises(BufferError, match=r"^grads\[1\]: .*complex64.*\(parameters\[2\]\)$"):
         titanmac_c.clip_grad_norm_([a, b, c], 1.0)
     assert torch.equal(a.grad, torch.full((6,), 3.0))
 

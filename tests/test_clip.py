@@ -219,8 +219,9 @@ def test_clip_method_with_a_precomputed_norm():
 
 def test_clip_method_takes_the_norm_as_the_functions_return_it():
     """total_norm= as get_total_norm returns it (the gradients' dtype: bf16 here), a Python or
-    NumPy number, a float64 tensor: the coefficient comes from its value (in float32) and the
-    result has its dtype; the step equals one given the same value as a float32 tensor."""
+    NumPy number, a float64 tensor: the coefficient comes from its value (in float32, in double
+    for a float64 one, as torch's clip_grads_with_norm_ computes it) and the result has its dtype;
+    the step equals one given the same value as a tensor of that precision."""
     import numpy as np
 
     norm64 = torch.tensor(0.8125, dtype=torch.float64)
@@ -231,7 +232,8 @@ def test_clip_method_takes_the_norm_as_the_functions_return_it():
         for step in range(3):
             set_grads(params_a, params_b, step, scale=0.05)
             n_a = ours_a.clip_grad_norm_(0.5, total_norm=given)
-            ours_b.clip_grad_norm_(0.5, total_norm=torch.tensor(0.8125))
+            ours_b.clip_grad_norm_(0.5, total_norm=torch.tensor(
+                0.8125, dtype=torch.float64 if given is norm64 else torch.float32))
             want = given.dtype if isinstance(given, torch.Tensor) else torch.float32
             assert n_a.dtype == want and float(n_a) == 0.8125 and n_a.shape == ()
             ours_a.step()

@@ -136,6 +136,6 @@ def test_coefficient_output_is_validated_before_any_write():
     out = torch.zeros(3)
     with pytest.raises(ValueError, match=r"max_norm = -1: must be >= 0 \(inf: no clipping\)"):
         _C.norms(grads, None, out[0:1], out[1:2], coef=out[2:3], max_norm=-1.0)
-    with pytest.raises(ValueError, match=r"coef: expected float32 with 1 element"):
+    with pytest.raises(ValueError, match=r"coef: expected float32 or float64 with 1 element"):
         _C.norms(grads, None, out[0:1], out[1:2], coef=torch.zeros(2), max_norm=1.0)
     assert torch.equal(out, torch.zeros(3))

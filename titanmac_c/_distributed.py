@@ -104,14 +104,17 @@ class ShardedNorms:
         return self._names[i] if self._names is not None else f"{self._label}[{i}]"
 
     def total(self, local_norm, norm_type):
-        """The norm over every rank's shards, a float32 0-d tensor on this rank's device, equal on
-        all ranks. local_norm(positions, tensors) gives the float32 0-d norm of local tensors.
-        One all_reduce per mesh dimension of each part (an FSDP2 model: one), on float64 powers
-        so that summing many ranks loses nothing."""
+        """The norm over every rank's shards, a 0-d tensor on this rank's device, equal on all
+        ranks, in the dtype local_norm(positions, tensors) gives the 0-d norm of local tensors in
+        (float32, float64 for float64 tensors). One all_reduce per mesh dimension of each part
+        (an FSDP2 model: one), on float64 powers so that summing many ranks loses nothing."""
         inf = math.isinf(norm_type)
         total = None
+        dtype = torch.float32
         for dims, (positions, tensors) in self.parts.items():
-            value = local_norm(positions, tensors).double()
+            value = local_norm(positions, tensors)
+            dtype = torch.promote_types(dtype, value.dtype)
+            value = value.double()
             if inf and dims:
                 # a MAX may drop a NaN (gloo's does): it travels as a flag beside the value
                 nan = value.isnan()
@@ -127,7 +130,7 @@ class ShardedNorms:
                 torch.maximum(total, value) if inf else total + value)
         if not inf:
             total = total.pow(1.0 / norm_type)
-        return total.float()
+        return total.to(dtype)
 
     def replicated(self, value):
         return replicated(self.mesh, value)

@@ -93,6 +93,8 @@ class Batch:
         self.no_plan = False
         # (name, gradient, its copy in grads) of gradients laid out anew for this step
         self.grad_copies = []
+        # the learning rates' dtype: float64 (torch's Python float) when a parameter is float64
+        self.lr_dtype = torch.float32
 
     def release(self):
         """Drop the step's gradients and state tensors, keeping the parameters: a Plan holds

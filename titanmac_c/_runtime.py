@@ -9,7 +9,9 @@ import torch
 
 from . import _C
 
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# what the C core's norms, clipping and AdamW take (float64 computed in double, as torch does);
+# the DeepNestedOptimizer's control and CMS ops take the first three
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 def exec_kwargs(device: torch.device) -> dict:
@@ -198,9 +200,15 @@ def check_supported_dtype(name: str, tensor: torch.Tensor) -> None:
     if tensor.dtype not in SUPPORTED_DTYPES:
         raise TypeError(
             f"{name}: dtype {str(tensor.dtype).replace('torch.', '')} is not supported "
-            "(float32, float16, bfloat16)"
+            "(float32, float16, bfloat16, float64)"
         )
 
 
+def compute_dtype(dtype):
+    """The dtype of the norms, clip coefficients and learning rates the C core computes for tensors
+    of (promoted) dtype `dtype`: float64 for float64, as torch computes those, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 __all__ = ["exec_kwargs", "mark_written", "norms_scratch", "Scratch", "reraise_with_names",
-           "as_number", "is_one_number", "float_in_range", "_C"]
+           "as_number", "is_one_number", "float_in_range", "compute_dtype", "_C"]

@@ -71,7 +71,6 @@ from ._flat import GradientMark
 from ._cms import CMSModeMixin, CMSState, init_output_on_sign, level_frequencies
 from ._dno_control import ControlStepMixin, watch_model_edits
 from ._runtime import (
-    SUPPORTED_DTYPES,
     Scratch,
     as_number,
     call_dense,
@@ -169,6 +168,8 @@ def _check_float(name, value, low=0.0):
 
 
 _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+# the control step and the CMS update compute in float32 (titanmac_c.AdamW also takes float64)
+_DNO_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _CURRENT = object()  # _update_meta_components' default: the current gradients' clip
 
 _COMPILED_PREFIX = "_orig_mod."  # torch.compile's wrapper names the wrapped module so
@@ -192,9 +193,10 @@ def _check_grouped(groups, group_names, device):
                                 "DeepNestedOptimizer's statistics, controller and CMS state are "
                                 "per model, so it takes plain parameters (DDP works); "
                                 "titanmac_c.AdamW steps sharded models")
-            if p.dtype not in SUPPORTED_DTYPES:
+            if p.dtype not in _DNO_DTYPES:
                 raise BufferError(f"parameter {name!r}: dtype {p.dtype} is not supported (float32, "
-                                  "bfloat16, float16; e.g. model.float())")
+                                  "bfloat16, float16; e.g. model.float()); titanmac_c.AdamW "
+                                  "also steps float64 models")
             if p.device != device:
                 raise ValueError(f"parameter {name!r}: on {p.device}, the first parameter on "
                                  f"{device}: the optimizer needs one device")

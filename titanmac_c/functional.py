@@ -5,7 +5,8 @@ Differences from torch (also listed in the README):
 - norm types: p > 0 and inf. torch also accepts 0, -inf and negative p; we raise ValueError.
 - the norm is reduced in double and returned in the promoted dtype of the tensors (as torch
   returns it); for bf16/fp16 gradients torch sums in that dtype, so ours is the more accurate one.
-- clip_grad_norm_ computes the clip coefficient from the float32 norm.
+- clip_grad_norm_ computes the clip coefficient from the float32 norm (the float64 norm, in
+  double, when a gradient is float64: torch's arithmetic for those).
 - get_total_norm and clip_grad_norm_ never wait on the GPU unless error_if_nonfinite=True.
 - non-contiguous tensors are taken in place when dense in another order (transposed,
   channels_last: _runtime.dense_views); others (strided slices, expanded tensors) are read
@@ -26,6 +27,7 @@ from ._distributed import ShardedNorms, any_dtensor, local_of
 from ._runtime import (
     as_number,
     call_dense,
+    compute_dtype,
     exec_kwargs,
     is_expanded,
     is_strided_only,
@@ -37,9 +39,9 @@ from ._runtime import (
 GroupNorms = namedtuple("GroupNorms", "grad param total_grad total_param nonfinite")
 GroupNorms.__doc__ = """Per-group and global norms from one fused pass.
 
-grad, param: float32 [num_groups]; total_grad, total_param, nonfinite: float32 0-d tensors
-(nonfinite is 1.0 when any gradient element is NaN or infinite). param and total_param are None
-when no parameters were given."""
+grad, param: [num_groups]; total_grad, total_param, nonfinite: 0-d tensors (nonfinite is 1.0
+when any gradient element is NaN or infinite); float32, or float64 when a tensor is float64.
+param and total_param are None when no parameters were given."""
 
 _NONFINITE_MESSAGE = (
     "The total norm of order {} for gradients from `parameters` is non-finite, so it cannot be "
@@ -105,9 +107,10 @@ def _call_named(label, positions, fn, tensors, read_only=False):
 
 
 def _total_on_device(label, positions, tensors, norm_type, device, max_norm=None):
-    """float32 [3] tensor: [0] the group output (unused), [1] the p-norm of tensors, [2] the
-    clip coefficient for max_norm (when given: written by the same call)."""
-    out = torch.empty(3, dtype=torch.float32, device=device)
+    """[3] tensor: [0] the group output (unused), [1] the p-norm of tensors, [2] the clip
+    coefficient for max_norm (when given: written by the same call); float32, float64 when a
+    tensor is (_compute_dtype)."""
+    out = torch.empty(3, dtype=_compute_dtype(tensors), device=device)
     clip = {} if max_norm is None else dict(coef=out[2:3], max_norm=max_norm)
 
     def run(ts):
@@ -127,14 +130,14 @@ def _sharded(label, tensors, names=None):
 
 
 def _local_norm(label, norm_type):
-    """For ShardedNorms.total: the 0-d float32 norm of local shards (one C call)."""
+    """For ShardedNorms.total: the 0-d norm of local shards (one C call)."""
     return lambda positions, tensors: _total_on_device(
         label, positions, tensors, norm_type, tensors[0].device)[1]
 
 
 def _scale_grads(device, positions, grads, coef, *written):
-    """grads *= coef (a float32 [1] tensor on device), in one C call; gradients the C core cannot
-    take in place (strided slices) by torch's mul_ after it."""
+    """grads *= coef (a float32 or float64 [1] tensor on device), in one C call; gradients the C
+    core cannot take in place (strided slices) by torch's mul_ after it."""
     kwargs = exec_kwargs(device)
     try:
         _call_named("parameters", positions, lambda ts: _C.scale_(ts, coef, **kwargs), grads)
@@ -146,8 +149,9 @@ def _scale_grads(device, positions, grads, coef, *written):
         dense = [i for i in range(len(grads)) if i not in strided]
         _call_named("parameters", [positions[i] for i in dense],
                     lambda ts: _C.scale_(ts, coef, **kwargs), [grads[i] for i in dense])
-        for i in strided:  # in float32, one rounding, as the C core scales
-            grads[i].copy_(grads[i].float() * coef[0])
+        for i in strided:  # one rounding, as the C core scales: float32 math but for float64
+            factor = coef[0].to(compute_dtype(grads[i].dtype))
+            grads[i].copy_(grads[i].to(factor.dtype) * factor)
     mark_written(grads, *written)
 
 
@@ -166,6 +170,11 @@ def _result_dtype(tensors):
     for t in tensors[1:]:
         dtype = torch.promote_types(dtype, t.dtype)
     return dtype
+
+
+def _compute_dtype(tensors):
+    """The dtype of the norms and coefficients the C core computes for these tensors."""
+    return compute_dtype(_result_dtype(tensors))
 
 
 def _combine_totals(totals, devices, norm_type):
@@ -195,7 +204,7 @@ def get_total_norm(tensors, norm_type=2.0, error_if_nonfinite=False, foreach=Non
                   for dev, placed in by_device.items()]
         total = _combine_totals(totals, list(by_device), norm_type)
     dtype = _result_dtype(tensors)
-    if dtype != torch.float32:
+    if dtype != total.dtype:
         total = total.to(dtype)
     if error_if_nonfinite:
         _raise_if_nonfinite(total, norm_type)
@@ -237,7 +246,7 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
                    for dev, placed in by_device.items()]
     total = _combine_totals([b[1] for b in buffers], devices, norm_type)
     dtype = _result_dtype(grads)  # returned in the gradients' dtype, as torch's
-    result = total if dtype == torch.float32 else total.to(dtype)
+    result = total if dtype == total.dtype else total.to(dtype)
     if error_if_nonfinite:  # on the norm as returned: an fp16 one is inf where the float32 one
         _raise_if_nonfinite(result, norm_type)  # is finite, and torch raises there
     if not single:  # one C call per device: what one would refuse, refused before any
@@ -261,12 +270,12 @@ def _clip_sharded(sharded, max_norm, norm_type, error_if_nonfinite, dtype):
     if error_if_nonfinite:
         _raise_if_nonfinite(total.to(dtype), norm_type)
     device = total.device
-    coef = torch.empty(1, dtype=torch.float32, device=device)
+    coef = torch.empty(1, dtype=total.dtype, device=device)
     _C.clip_coef(total.reshape(1), max_norm, coef, stream=exec_kwargs(device).get("stream"))
     with prof.step_range(prof.CLIP):  # one call: a refused gradient stops all before any write
         _scale_grads(device, sharded.positions, [local_of(t) for t in sharded.tensors], coef,
                      sharded.tensors)
-    return sharded.replicated(total if dtype == torch.float32 else total.to(dtype))
+    return sharded.replicated(total if dtype == total.dtype else total.to(dtype))
 
 
 def group_norms(grads, params=None, group_of=None, num_groups=1, norm_type=2.0):
@@ -285,7 +294,7 @@ def group_norms(grads, params=None, group_of=None, num_groups=1, norm_type=2.0):
         raise ValueError("grads: at least one tensor is needed to know the device")
     device = grads[0].device
     n_out = 2 * num_groups + 3
-    out = torch.empty(n_out, dtype=torch.float32, device=device)
+    out = torch.empty(n_out, dtype=_compute_dtype(grads + (params or [])), device=device)
     g = num_groups
     kwargs = dict(group_of=group_of, num_groups=g, norm_type=norm_type, nonfinite=out[2 * g + 2 :])
     if params is not None:

@@ -30,6 +30,7 @@ from ._runtime import (
     Scratch,
     call_dense,
     check_supported_dtype,
+    compute_dtype,
     exec_kwargs,
     float_in_range,
     is_one_number,
@@ -51,12 +52,12 @@ def _scalar(name, value):
     return value
 
 
-def _given_total_norm(total_norm, device):
+def _given_total_norm(total_norm, device, dtype):
     """clip_grad_norm_'s total_norm as a one-element floating tensor on the gradients' device
-    (a number becomes a float32 one); its dtype is the result's."""
+    (a number becomes one of dtype, the gradients' compute dtype); its dtype is the result's."""
     if isinstance(total_norm, numbers.Real) and not isinstance(total_norm, bool):
         # a fill, not torch.tensor([x], device=...): a copy from host memory waits for the GPU
-        return torch.full((1,), float(total_norm), dtype=torch.float32, device=device)
+        return torch.full((1,), float(total_norm), dtype=dtype, device=device)
     if not isinstance(total_norm, Tensor):
         raise TypeError(f"total_norm: expected a tensor or a number, got "
                         f"{type(total_norm).__name__}")
@@ -194,7 +195,7 @@ class AdamW(Optimizer):
     def _init_caches(self):
         self._scratch = Scratch()
         self._scratch_bytes = {}  # (device, amsgrad, count) -> bytes the C core asked for
-        self._lr_cache = {}  # device -> (host lr values, float32 tensor on device)
+        self._lr_cache = {}  # (device, dtype) -> (host lr values, tensor on device)
         self._clip_coef = {}  # device -> float32 [1] coefficient for the next step()
         self._clip_mark = None  # _flat.GradientMark of the gradients the coefficient is for
         self._plan = None  # _flat.Plan of the last full step, when it can be reused
@@ -353,9 +354,15 @@ class AdamW(Optimizer):
         if is_dtensor(total_norm):  # returned as it came, a replicated DTensor
             mesh, total_norm = total_norm.device_mesh, total_norm.full_tensor()
         device = grads[0].device
+        if dtype is None:
+            dtype = _result_dtype(grads)
+        # the norm and coefficient in float32, or in float64 (torch's arithmetic) for float64
+        # gradients or a float64 total_norm given
+        work = compute_dtype(dtype)
         if total_norm is not None:
-            total_norm = _given_total_norm(total_norm, device)
-        buf = torch.empty(2, dtype=torch.float32, device=device)
+            total_norm = _given_total_norm(total_norm, device, work)
+            work = compute_dtype(torch.promote_types(work, total_norm.dtype))
+        buf = torch.empty(2, dtype=work, device=device)
         kwargs = exec_kwargs(device)
         if sharded is not None:  # DTensors: the norm over all ranks, then the coefficient
             with prof.step_range(prof.STATS):
@@ -363,7 +370,7 @@ class AdamW(Optimizer):
             _C.clip_coef(total, max_norm, buf[1:2], stream=kwargs.get("stream"))
         elif total_norm is None:
             # One pass; its finishing step also writes the coefficient (one launch on CUDA).
-            group = torch.empty(1, dtype=torch.float32, device=device)
+            group = torch.empty(1, dtype=work, device=device)
             def run(ts):
                 _C.norms(ts, None, group, buf[0:1], norm_type=norm_type, coef=buf[1:2],
                          max_norm=max_norm, scratch=norms_scratch(device, ts), **kwargs)
@@ -372,15 +379,13 @@ class AdamW(Optimizer):
                 call_dense(run, grads, read_only=True)
             total = buf[0:1]
         else:
-            total = total_norm.reshape(1).to(torch.float32)
+            total = total_norm.reshape(1).to(work)
             _C.clip_coef(total, max_norm, buf[1:2], stream=kwargs.get("stream"))
         # in the gradients' dtype, as torch's clip_grad_norm_ returns it (the coefficient comes
-        # from the float32 norm)
+        # from the float32 norm, or the float64 one)
         if total_norm is not None:
             dtype = total_norm.dtype
-        elif dtype is None:
-            dtype = _result_dtype(grads)
-        result = total[0] if dtype == torch.float32 else total[0].to(dtype)
+        result = total[0] if dtype == total.dtype else total[0].to(dtype)
         if error_if_nonfinite:  # the norm as returned: an fp16 one is inf where the float32 one
             _raise_if_nonfinite(result, norm_type)  # is finite, and torch raises there
         self._clip_coef = {device: buf[1:2]}
@@ -433,7 +438,8 @@ class AdamW(Optimizer):
                     amp=None):
         """The step itself. lr: None (the groups' "lr" values), or a float32 tensor with one
         learning rate per param group on the parameters' device; grad_scale / skip: None or
-        float32 [1] device tensors (see titanmac.h tm_adamw_step). The DeepNestedOptimizer calls
+        float32 [1] device tensors (see titanmac.h tm_adamw_step; lr and grad_scale may also
+        be float64). The DeepNestedOptimizer calls
         this with values its control step computed on the device. amp: the _AmpScaling of a
         GradScaler's step, or None."""
         with prof.step_range(prof.UPDATE):
@@ -464,7 +470,7 @@ class AdamW(Optimizer):
             self._plan = Plan(self, batches[0])
 
     def _run_batch(self, batch, groups, lrs, lr, grad_scale, skip, zero_grads_on_skip, amp):
-        batch_lr = lr if lr is not None else self._lr_tensor(batch.device, lrs)
+        batch_lr = lr if lr is not None else self._lr_tensor(batch.device, lrs, batch.lr_dtype)
         scale = grad_scale if grad_scale is not None else self._clip_coef.get(batch.device)
         loss_scale = None
         if amp is not None:
@@ -551,6 +557,8 @@ class AdamW(Optimizer):
                         if k in state:
                             state[k] = in_layout_of(state[k], p)
                     grad, tensors = batch.laid_out_grad(name, grad, p), state
+                if p.dtype == torch.float64:
+                    batch.lr_dtype = torch.float64
                 batch.group_of.append(gi)
                 batch.params.append(p)
                 batch.grads.append(grad)
@@ -636,27 +644,29 @@ class AdamW(Optimizer):
             state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         return state
 
-    def _lr_tensor(self, device, lrs):
-        """The groups' learning rates as one float32 tensor on the device (the C core reads them
-        from memory, so a tensor lr never visits the host). Float lrs are cached and re-uploaded
-        only when a value changed, in place and without a host sync (pinned, non-blocking), so
-        the tensor keeps its address for CUDA graphs."""
+    def _lr_tensor(self, device, lrs, dtype):
+        """The groups' learning rates as one tensor of dtype (float32; float64, torch's Python
+        float, when a parameter is float64) on the device (the C core reads them from memory, so a
+        tensor lr never visits the host). Float lrs are cached and re-uploaded only when a value
+        changed, in place and without a host sync (pinned, non-blocking), so the tensor keeps its
+        address for CUDA graphs."""
         if any(isinstance(lr, Tensor) for lr in lrs):
             return torch.stack([
-                torch.as_tensor(lr, dtype=torch.float32, device=device).reshape(()) for lr in lrs
+                torch.as_tensor(lr, dtype=dtype, device=device).reshape(()) for lr in lrs
             ])
         values = tuple(lrs)
-        cached = self._lr_cache.get(device)
+        key = (device, dtype)
+        cached = self._lr_cache.get(key)
         if cached is not None and cached[0] == values:
             return cached[1]
-        host = torch.tensor(values, dtype=torch.float32)
+        host = torch.tensor(values, dtype=dtype)
         if device.type != "cuda":
             tensor = host
         else:
             tensor = cached[1] if cached is not None and len(cached[0]) == len(values) else \
-                torch.empty(len(values), dtype=torch.float32, device=device)
+                torch.empty(len(values), dtype=dtype, device=device)
             tensor.copy_(host.pin_memory(), non_blocking=True)
-        self._lr_cache[device] = (values, tensor)
+        self._lr_cache[key] = (values, tensor)
         return tensor
 
     def _run(self, batch, groups, lr, grad_scale, skip, zero_grads_on_skip, loss_scale):

@@ -2,8 +2,10 @@
  * tm_math.h -- the element math of every op, written once and compiled by both backends
  * (the CPU loops and the CUDA kernels include this file), so the two cannot drift.
  *
- * All element math is float32. Coefficients that depend on the step count are computed once per
- * tensor in double (as torch computes them in Python floats) and rounded to float once.
+ * Element math is float32 for float32, bfloat16 and float16 tensors and double for float64 ones
+ * (the AdamW and clip math is written once for both: TM_DEFINE_ADAMW_MATH). Coefficients that
+ * depend on the step count are computed once per tensor in double (as torch computes them in
+ * Python floats) and rounded to the compute type once.
  * The order of operations follows torch.optim.AdamW's for-loop implementation
  * (torch/optim/adam.py, _single_tensor_adam with decoupled weight decay) so fp32 results agree
  * with torch to the last bits in most elements: p *= 1 - lr*wd; m.lerp_(g, 1-beta1);
@@ -29,108 +31,117 @@
 #define TM_HOST_DEVICE static inline
 #endif
 
-/* ---------------------------------------------------------------- AdamW ---- */
+/* ---------------------------------------------------------------- AdamW, clipping ---- */
 
-/* Everything one tensor's update needs besides its elements. */
-typedef struct {
-    float decay;           /* 1 - lr * weight_decay */
-    float one_minus_beta1; /* lerp weight */
-    float beta2;
-    float one_minus_beta2;
-    float bc2_sqrt;        /* sqrt(1 - beta2^step) */
-    float neg_step_size;   /* -lr / (1 - beta1^step) */
-    float eps;
-    float grad_scale;      /* 1 unless a clip coefficient (or other scale) is folded in */
-    float loss_scale;      /* torch.amp's loss scale, divided out where the caller asks */
-    int32_t maximize;
-    int32_t amsgrad;
-} tm_adamw_coeffs;
-
-/* step is the count after this update (1 on the first step). */
-TM_HOST_DEVICE tm_adamw_coeffs
-tm_adamw_coeffs_make(double lr, double beta1, double beta2, double eps, double weight_decay,
-                     double step, float grad_scale, int32_t maximize, int32_t amsgrad)
-{
-    tm_adamw_coeffs c;
-    c.decay = (float)(1.0 - lr * weight_decay);
-    c.one_minus_beta1 = (float)(1.0 - beta1);
-    c.beta2 = (float)beta2;
-    c.one_minus_beta2 = (float)(1.0 - beta2);
-    c.bc2_sqrt = (float)sqrt(1.0 - pow(beta2, step));
-    c.neg_step_size = (float)(-(lr / (1.0 - pow(beta1, step))));
-    c.eps = (float)eps;
-    c.grad_scale = grad_scale;
-    c.loss_scale = 1.0f;
-    c.maximize = maximize;
-    c.amsgrad = amsgrad;
-    return c;
-}
-
-/* torch.lerp: the two-sided form keeps the result exact at both ends. */
-TM_HOST_DEVICE float
-tm_lerp(float a, float b, float w)
-{
-    return (w < 0.5f) ? a + w * (b - a) : b - (b - a) * (1.0f - w);
-}
-
-/* torch.maximum propagates NaN from either side; fmaxf would drop it. */
-TM_HOST_DEVICE float
-tm_max_nan(float a, float b)
-{
-    return (a > b || a != a) ? a : b;
-}
-
-/* The gradient as the update reads it: times grad_scale and, with unscale (a loss_scale given),
- * divided by the loss scale as torch's fused AdamW divides (the value then stored back). */
-TM_HOST_DEVICE float
-tm_adamw_scaled_grad(float grad, const tm_adamw_coeffs *c, int unscale)
-{
-    const float g = grad * c->grad_scale;
-    return unscale ? g / c->loss_scale : g;
-}
-
-/* One element; g is tm_adamw_scaled_grad of the gradient. vmax is read and written only when
- * c->amsgrad. */
-TM_HOST_DEVICE void
-tm_adamw_elem(float *p, float *m, float *v, float *vmax, float g, const tm_adamw_coeffs *c)
-{
-    if (c->maximize) {
-        g = -g;
+/* The element math of AdamW and of the clip coefficient, written once for the two compute types:
+ * float (float32, bfloat16 and float16 tensors) and double (float64 tensors, which torch updates
+ * in double with every coefficient the unrounded Python float). TM_DEFINE_ADAMW_MATH(REAL, SFX,
+ * SQRT) defines tm_adamw_coeffs##SFX, tm_adamw_coeffs##SFX##_make, tm_lerp##SFX, tm_max_nan##SFX,
+ * tm_adamw_scaled_grad##SFX, tm_adamw_elem##SFX and tm_clip_coef_elem##SFX; it is instantiated
+ * below as the unsuffixed float names and the _f64 double names.
+ *
+ * tm_adamw_coeffs: everything one tensor's update needs besides its elements. step is the count
+ * after this update (1 on the first step).
+ *   decay = 1 - lr * weight_decay;  one_minus_beta1: the lerp weight;  bc2_sqrt = sqrt(1 -
+ *   beta2^step);  neg_step_size = -lr / (1 - beta1^step);  grad_scale: 1 unless a clip
+ *   coefficient (or other scale) is folded in;  loss_scale: torch.amp's loss scale, divided out
+ *   where the caller asks.
+ * tm_lerp: torch.lerp; the two-sided form keeps the result exact at both ends.
+ * tm_max_nan: torch.maximum propagates NaN from either side; fmax would drop it.
+ * tm_adamw_scaled_grad: the gradient as the update reads it: times grad_scale and, with unscale
+ *   (a loss_scale given), divided by the loss scale as torch's fused AdamW divides (the value
+ *   then stored back).
+ * tm_adamw_elem: one element; g is tm_adamw_scaled_grad of the gradient. vmax is read and written
+ *   only when c->amsgrad.
+ * tm_clip_coef_elem: torch's clip_grad_norm_: max_norm / (norm + 1e-6) is evaluated as
+ *   reciprocal(norm + 1e-6) * max_norm (Tensor.__rdiv__), then clamp(max=1), which keeps NaN. */
+#define TM_DEFINE_ADAMW_MATH(REAL, SFX, SQRT)                                                      \
+    typedef struct {                                                                               \
+        REAL decay;                                                                                \
+        REAL one_minus_beta1;                                                                      \
+        REAL beta2;                                                                                \
+        REAL one_minus_beta2;                                                                      \
+        REAL bc2_sqrt;                                                                             \
+        REAL neg_step_size;                                                                        \
+        REAL eps;                                                                                  \
+        REAL grad_scale;                                                                           \
+        REAL loss_scale;                                                                           \
+        int32_t maximize;                                                                          \
+        int32_t amsgrad;                                                                           \
+    } tm_adamw_coeffs##SFX;                                                                        \
+                                                                                                   \
+    TM_HOST_DEVICE tm_adamw_coeffs##SFX tm_adamw_coeffs##SFX##_make(                               \
+        double lr, double beta1, double beta2, double eps, double weight_decay, double step,       \
+        REAL grad_scale, int32_t maximize, int32_t amsgrad)                                        \
+    {                                                                                              \
+        tm_adamw_coeffs##SFX c;                                                                    \
+        c.decay = (REAL)(1.0 - lr * weight_decay);                                                 \
+        c.one_minus_beta1 = (REAL)(1.0 - beta1);                                                   \
+        c.beta2 = (REAL)beta2;                                                                     \
+        c.one_minus_beta2 = (REAL)(1.0 - beta2);                                                   \
+        c.bc2_sqrt = (REAL)sqrt(1.0 - pow(beta2, step));                                           \
+        c.neg_step_size = (REAL)(-(lr / (1.0 - pow(beta1, step))));                                \
+        c.eps = (REAL)eps;                                                                         \
+        c.grad_scale = grad_scale;                                                                 \
+        c.loss_scale = (REAL)1.0;                                                                  \
+        c.maximize = maximize;                                                                     \
+        c.amsgrad = amsgrad;                                                                       \
+        return c;                                                                                  \
+    }                                                                                              \
+                                                                                                   \
+    TM_HOST_DEVICE REAL tm_lerp##SFX(REAL a, REAL b, REAL w)                                       \
+    {                                                                                              \
+        return (w < (REAL)0.5) ? a + w * (b - a) : b - (b - a) * ((REAL)1.0 - w);                  \
+    }                                                                                              \
+                                                                                                   \
+    TM_HOST_DEVICE REAL tm_max_nan##SFX(REAL a, REAL b) { return (a > b || a != a) ? a : b; }      \
+                                                                                                   \
+    TM_HOST_DEVICE REAL tm_adamw_scaled_grad##SFX(REAL grad, const tm_adamw_coeffs##SFX *c,        \
+                                                  int unscale)                                     \
+    {                                                                                              \
+        const REAL g = grad * c->grad_scale;                                                       \
+        return unscale ? g / c->loss_scale : g;                                                    \
+    }                                                                                              \
+                                                                                                   \
+    TM_HOST_DEVICE void tm_adamw_elem##SFX(REAL *p, REAL *m, REAL *v, REAL *vmax, REAL g,          \
+                                           const tm_adamw_coeffs##SFX *c)                          \
+    {                                                                                              \
+        if (c->maximize) {                                                                         \
+            g = -g;                                                                                \
+        }                                                                                          \
+        REAL pv = *p * c->decay;                                                                   \
+        REAL mv = tm_lerp##SFX(*m, g, c->one_minus_beta1);                                         \
+        REAL vv = *v * c->beta2;                                                                   \
+        vv = vv + c->one_minus_beta2 * g * g;                                                      \
+        REAL vden = vv;                                                                            \
+        if (c->amsgrad) {                                                                          \
+            vden = tm_max_nan##SFX(*vmax, vv);                                                     \
+            *vmax = vden;                                                                          \
+        }                                                                                          \
+        REAL denom = SQRT(vden) / c->bc2_sqrt + c->eps;                                            \
+        *p = pv + c->neg_step_size * (mv / denom);                                                 \
+        *m = mv;                                                                                   \
+        *v = vv;                                                                                   \
+    }                                                                                              \
+                                                                                                   \
+    TM_HOST_DEVICE REAL tm_clip_coef_elem##SFX(REAL total_norm, REAL max_norm)                     \
+    {                                                                                              \
+        REAL recip = (REAL)1.0 / (total_norm + (REAL)1e-6);                                        \
+        REAL coef = recip * max_norm;                                                              \
+        return (coef > (REAL)1.0) ? (REAL)1.0 : coef;                                              \
     }
-    float pv = *p * c->decay;
-    float mv = tm_lerp(*m, g, c->one_minus_beta1);
-    float vv = *v * c->beta2;
-    vv = vv + c->one_minus_beta2 * g * g;
-    float vden = vv;
-    if (c->amsgrad) {
-        vden = tm_max_nan(*vmax, vv);
-        *vmax = vden;
-    }
-    float denom = sqrtf(vden) / c->bc2_sqrt + c->eps;
-    *p = pv + c->neg_step_size * (mv / denom);
-    *m = mv;
-    *v = vv;
-}
 
-/* ---------------------------------------------------------------- clipping ---- */
-
-/* torch's clip_grad_norm_: max_norm / (norm + 1e-6) is evaluated as reciprocal(norm + 1e-6) *
- * max_norm (Tensor.__rdiv__), then clamp(max=1), which keeps NaN. */
-TM_HOST_DEVICE float
-tm_clip_coef_elem(float total_norm, float max_norm)
-{
-    float recip = 1.0f / (total_norm + 1e-6f);
-    float coef = recip * max_norm;
-    return (coef > 1.0f) ? 1.0f : coef;
-}
+TM_DEFINE_ADAMW_MATH(float, , sqrtf)
+TM_DEFINE_ADAMW_MATH(double, _f64, sqrt)
 
 /* ---------------------------------------------------------------- norms ---- */
 
-/* |x|^p accumulated in double; p == 2 and p == 1 are the common fast cases. */
+/* |x|^p accumulated in double; p == 2 and p == 1 are the common fast cases. The argument is
+ * double so that a float64 element passes unrounded (a float widens exactly). */
 TM_HOST_DEVICE double
-tm_pow_abs(float x, double p)
+tm_pow_abs(double x, double p)
 {
-    double a = fabs((double)x);
+    double a = fabs(x);
     if (p == 2.0) {
         return a * a;
     }
@@ -142,23 +153,24 @@ tm_pow_abs(float x, double p)
 
 /* max |x| that propagates NaN, as torch's inf-norm does. */
 TM_HOST_DEVICE double
-tm_max_abs_nan(double acc, float x)
+tm_max_abs_nan(double acc, double x)
 {
-    double a = fabs((double)x);
+    double a = fabs(x);
     return (a > acc || a != a) ? a : acc;
 }
 
-/* Turn a reduced value (sum |x|^p, or max |x| when p is infinite) into the norm. */
-TM_HOST_DEVICE float
+/* Turn a reduced value (sum |x|^p, or max |x| when p is infinite) into the norm, in double: a
+ * float32 output rounds it once when it is stored. */
+TM_HOST_DEVICE double
 tm_norm_finish(double reduced, double p)
 {
     if (isinf(p) || p == 1.0) {
-        return (float)reduced;
+        return reduced;
     }
     if (p == 2.0) {
-        return (float)sqrt(reduced);
+        return sqrt(reduced);
     }
-    return (float)pow(reduced, 1.0 / p);
+    return pow(reduced, 1.0 / p);
 }
 
 /* ---------------------------------------------------------------- DeepNestedOptimizer ---- */

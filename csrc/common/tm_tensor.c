@@ -18,6 +18,8 @@ tm_dtype_name(tm_dtype dtype)
         return "float16";
     case TM_BFLOAT16:
         return "bfloat16";
+    case TM_FLOAT64:
+        return "float64";
     }
     return "unknown";
 }
@@ -31,6 +33,8 @@ tm_dtype_size(tm_dtype dtype)
     case TM_FLOAT16:
     case TM_BFLOAT16:
         return 2;
+    case TM_FLOAT64:
+        return 8;
     }
     return 0;
 }
@@ -126,6 +130,17 @@ tm_check_writable(const tm_tensor *t, const char *name, int32_t index)
     char label[TM_LABEL_TEXT];
     TM_CHECK((t->flags & TM_TENSOR_READ_ONLY) == 0, TM_ERR_BUFFER,
              "%s: read-only, cannot be updated", tm_label(name, index, label));
+    return TM_OK;
+}
+
+tm_status
+tm_check_real_numel(const tm_tensor *t, const char *name, int32_t index, int64_t numel)
+{
+    char label[TM_LABEL_TEXT];
+    TM_CHECK((t->dtype == TM_FLOAT32 || t->dtype == TM_FLOAT64) && t->numel == numel,
+             TM_ERR_VALUE, "%s: expected float32 or float64 with %lld element%s, got %s with %lld",
+             tm_label(name, index, label), (long long)numel, numel == 1 ? "" : "s",
+             tm_dtype_name(t->dtype), (long long)t->numel);
     return TM_OK;
 }
 

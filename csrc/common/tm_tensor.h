@@ -25,7 +25,7 @@ extern "C" {
 /* Room for the longest label: a name plus "[2147483647]". */
 #define TM_LABEL_TEXT 80
 
-/* "float32", "float16", "bfloat16", or "unknown" for a value outside the enum. */
+/* "float32", "float16", "bfloat16", "float64", or "unknown" for a value outside the enum. */
 const char *tm_dtype_name(tm_dtype dtype);
 
 /* Bytes per element; 0 for a value outside the enum. */
@@ -64,6 +64,10 @@ tm_status tm_check_writable(const tm_tensor *t, const char *name, int32_t index)
 /* float32 with exactly numel elements, else
  * "lr: expected float32 with 3 elements, got float32 with 1" (TM_ERR_VALUE). */
 tm_status tm_check_f32_numel(const tm_tensor *t, const char *name, int32_t index, int64_t numel);
+
+/* The same for the scalars whose precision follows the tensors' (norms, clip coefficients, learning
+ * rates): float32 or float64 with exactly numel elements. */
+tm_status tm_check_real_numel(const tm_tensor *t, const char *name, int32_t index, int64_t numel);
 
 #ifdef __cplusplus
 }

@@ -34,7 +34,8 @@ check_group_of(const int32_t *group_of, int32_t count, int32_t num_groups)
     return TM_OK;
 }
 
-/* Outputs: float32, [num_groups] per group and [1] for the totals; param outputs need params. */
+/* Outputs: float32 or float64 (each written in its own dtype), [num_groups] per group and [1] for
+ * the totals; param outputs need params. */
 static tm_status
 check_norms_outputs(const tm_role *roles, int32_t num_groups, int params_ok)
 {
@@ -48,7 +49,7 @@ check_norms_outputs(const tm_role *roles, int32_t num_groups, int params_ok)
         TM_CHECK(params_ok || (k != NORMS_GROUP_PARAM && k != NORMS_TOTAL_PARAM), TM_ERR_VALUE,
                  "%s: wanted, but no params were given", name);
         int per_group = k == NORMS_GROUP_GRAD || k == NORMS_GROUP_PARAM;
-        TM_TRY(tm_check_f32_numel(t, name, TM_NO_INDEX, per_group ? num_groups : 1));
+        TM_TRY(tm_check_real_numel(t, name, TM_NO_INDEX, per_group ? num_groups : 1));
     }
     return TM_OK;
 }
@@ -107,8 +108,8 @@ tm_validate_clip(const tm_tensor *total_norm, double max_norm, const tm_tensor *
     TM_TRY(tm_roles_check(roles, 2, ref));
     TM_CHECK(max_norm >= 0.0, TM_ERR_VALUE, "max_norm = %g: must be >= 0 (inf: no clipping)",
              max_norm);
-    TM_TRY(tm_check_f32_numel(total_norm, "total_norm", TM_NO_INDEX, 1));
-    TM_TRY(tm_check_f32_numel(coef, "coef", TM_NO_INDEX, 1));
+    TM_TRY(tm_check_real_numel(total_norm, "total_norm", TM_NO_INDEX, 1));
+    TM_TRY(tm_check_real_numel(coef, "coef", TM_NO_INDEX, 1));
     return tm_check_scratch(exec, 0);
 }
 
@@ -125,7 +126,7 @@ tm_validate_scale(const tm_tensor_list *tensors, const tm_tensor *scale, const t
     };
     TM_TRY(tm_roles_structure(roles, 2));
     TM_TRY(tm_roles_check(roles, 2, ref));
-    TM_TRY(tm_check_f32_numel(scale, "scale", TM_NO_INDEX, 1));
+    TM_TRY(tm_check_real_numel(scale, "scale", TM_NO_INDEX, 1));
     return tm_check_scratch(exec, 0);
 }
 
@@ -261,10 +262,13 @@ tm_validate_adamw(const tm_adamw_tensors *t, const tm_adamw_args *args, const tm
     TM_TRY(check_steps(&roles[ADAMW_STEP].list));
     TM_TRY(check_adamw_groups(args));
     TM_TRY(check_group_of(args->group_of, t->params.count, args->num_groups));
-    TM_TRY(tm_check_f32_numel(&in->lr, "lr", TM_NO_INDEX, args->num_groups));
+    /* lr and grad_scale may be float64, for float64 params' sake; skip and loss_scale (torch.amp's
+     * float32 scale) are float32 */
+    TM_TRY(tm_check_real_numel(&in->lr, "lr", TM_NO_INDEX, args->num_groups));
     for (int k = ADAMW_GRAD_SCALE; k <= ADAMW_LOSS_SCALE; k++) {
         if (tm_tensor_given(roles[k].list.tensors)) {
-            TM_TRY(tm_check_f32_numel(roles[k].list.tensors, roles[k].list.name, TM_NO_INDEX, 1));
+            TM_TRY((k == ADAMW_GRAD_SCALE ? tm_check_real_numel : tm_check_f32_numel)(
+                roles[k].list.tensors, roles[k].list.name, TM_NO_INDEX, 1));
         }
     }
     return tm_check_scratch(exec, tm_adamw_scratch_bytes(t));

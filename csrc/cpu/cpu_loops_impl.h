@@ -63,6 +63,13 @@ load_elem(const void *x, int64_t i, tm_dtype dt)
     return tm_f16_to_f32(((const uint16_t *)x)[i]);
 }
 
+/* Element i as a double: a float64 one as it is, the others widened exactly from float. */
+CPU_INLINE double
+load_wide(const void *x, int64_t i, tm_dtype dt)
+{
+    return dt == TM_FLOAT64 ? ((const double *)x)[i] : (double)load_elem(x, i, dt);
+}
+
 CPU_INLINE void
 store_elem(void *x, int64_t i, float value, tm_dtype dt)
 {
@@ -77,9 +84,10 @@ store_elem(void *x, int64_t i, float value, tm_dtype dt)
 
 /* ---------------------------------------------------------------- AdamW ---- */
 
+/* float32, float16 and bfloat16 tensors: float math, one rounding per store. */
 CPU_INLINE void
 adamw_loop(void *restrict p, void *restrict g, void *restrict m, void *restrict v,
-           void *restrict vmax, int64_t n, tm_adamw_coeffs c, tm_dtype dt, int32_t amsgrad,
+           void *restrict vmax, int64_t n, tm_dtype dt, tm_adamw_coeffs c, int32_t amsgrad,
            int32_t unscale)
 {
     c.amsgrad = amsgrad; /* a constant here, so the amsgrad branch of tm_adamw_elem folds away */
@@ -103,67 +111,108 @@ adamw_loop(void *restrict p, void *restrict g, void *restrict m, void *restrict 
     }
 }
 
-/* amsgrad and unscale (divide by the loss scale, store the gradient back) as constants: each of
- * the four loops has no test inside. */
+/* float64 tensors: double math, as torch updates them. */
 CPU_INLINE void
-adamw_variant(void *p, void *g, void *m, void *v, void *vmax, int64_t n, tm_adamw_coeffs k,
-              tm_dtype dt, int32_t unscale)
+adamw_loop_f64(double *restrict p, double *restrict g, double *restrict m, double *restrict v,
+               double *restrict vmax, int64_t n, tm_adamw_coeffs_f64 c, int32_t amsgrad,
+               int32_t unscale)
 {
-    if (k.amsgrad) {
-        if (unscale) {
-            adamw_loop(p, g, m, v, vmax, n, k, dt, 1, 1);
-        } else {
-            adamw_loop(p, g, m, v, vmax, n, k, dt, 1, 0);
+    c.amsgrad = amsgrad;
+    TM_SIMD
+    for (int64_t i = 0; i < n; i++) {
+        double pv = p[i];
+        double mv = m[i];
+        double vv = v[i];
+        double xv = amsgrad ? vmax[i] : 0.0;
+        const double gv = tm_adamw_scaled_grad_f64(g[i], &c, unscale);
+        tm_adamw_elem_f64(&pv, &mv, &vv, &xv, gv, &c);
+        p[i] = pv;
+        m[i] = mv;
+        v[i] = vv;
+        if (amsgrad) {
+            vmax[i] = xv;
         }
-    } else {
         if (unscale) {
-            adamw_loop(p, g, m, v, vmax, n, k, dt, 0, 1);
-        } else {
-            adamw_loop(p, g, m, v, vmax, n, k, dt, 0, 0);
+            g[i] = gv;
         }
     }
 }
 
-/* tm_lerp picks its formula by w < 0.5f. Both arms do float math, which GCC will not
- * speculate (-ftrapping-math), so a test left in the loop is a branch that stops vectorization.
- * Testing the same condition around the loop lets the compiler fold the one inside. */
-CPU_INLINE void
-adamw_dispatch(void *p, void *g, void *m, void *v, void *vmax, int64_t n,
-               const tm_adamw_coeffs *c, tm_dtype dt, int32_t unscale)
-{
-    tm_adamw_coeffs k = *c;
-    if (k.one_minus_beta1 < 0.5f) {
-        adamw_variant(p, g, m, v, vmax, n, k, dt, unscale);
-    } else {
-        adamw_variant(p, g, m, v, vmax, n, k, dt, unscale);
+/* LOOP(args..., K, amsgrad, unscale) with amsgrad and unscale (divide by the loss scale, store
+ * the gradient back) as constants, so none of the four loops has a test inside. And around
+ * them the test tm_lerp makes: it picks its formula by w < 0.5, both arms do float math, which
+ * GCC will not speculate (-ftrapping-math), so a test left in the loop is a branch that stops
+ * vectorization; testing the same condition around the loop lets the compiler fold the one
+ * inside. */
+#define CPU_ADAMW_FLAGS(LOOP, K, UNSCALE, ...)                                                     \
+    if ((K).amsgrad) {                                                                             \
+        if (UNSCALE) {                                                                             \
+            LOOP(__VA_ARGS__, K, 1, 1);                                                            \
+        } else {                                                                                   \
+            LOOP(__VA_ARGS__, K, 1, 0);                                                            \
+        }                                                                                          \
+    } else {                                                                                       \
+        if (UNSCALE) {                                                                             \
+            LOOP(__VA_ARGS__, K, 0, 1);                                                            \
+        } else {                                                                                   \
+            LOOP(__VA_ARGS__, K, 0, 0);                                                            \
+        }                                                                                          \
     }
-}
+#define CPU_ADAMW_SPECIALISE(LOOP, K, UNSCALE, ...)                                                \
+    do {                                                                                           \
+        if ((K).one_minus_beta1 < 0.5f) {                                                          \
+            CPU_ADAMW_FLAGS(LOOP, K, UNSCALE, __VA_ARGS__)                                         \
+        } else {                                                                                   \
+            CPU_ADAMW_FLAGS(LOOP, K, UNSCALE, __VA_ARGS__)                                         \
+        }                                                                                          \
+    } while (0)
 
+/* coeffs: a tm_adamw_coeffs (tm_adamw_coeffs_f64 for adamw_f64). */
 #define CPU_DEFINE_ADAMW(DT, DTYPE)                                                                \
     static void adamw_##DT(void *p, void *g, void *m, void *v, void *vmax, int64_t n,              \
-                           const tm_adamw_coeffs *c, int32_t unscale)                              \
+                           const void *coeffs, int32_t unscale)                                    \
     {                                                                                              \
-        adamw_dispatch(p, g, m, v, vmax, n, c, DTYPE, unscale);                                    \
+        const tm_adamw_coeffs k = *(const tm_adamw_coeffs *)coeffs;                                \
+        CPU_ADAMW_SPECIALISE(adamw_loop, k, unscale, p, g, m, v, vmax, n, DTYPE);                  \
     }
+
+static void
+adamw_f64(void *p, void *g, void *m, void *v, void *vmax, int64_t n, const void *coeffs,
+          int32_t unscale)
+{
+    const tm_adamw_coeffs_f64 k = *(const tm_adamw_coeffs_f64 *)coeffs;
+    CPU_ADAMW_SPECIALISE(adamw_loop_f64, k, unscale, p, g, m, v, vmax, n);
+}
 
 /* ---------------------------------------------------------------- scale ---- */
 
+/* A float64 tensor is multiplied in double; the others by the factor rounded to float (torch's
+ * clip multiplies each gradient by the coefficient cast to its dtype). */
 CPU_INLINE void
-scale_loop(void *restrict x, int64_t n, float scale, tm_dtype dt)
+scale_loop(void *restrict x, int64_t n, double scale, tm_dtype dt)
 {
+    if (dt == TM_FLOAT64) {
+        double *restrict xd = x;
+        TM_SIMD
+        for (int64_t i = 0; i < n; i++) {
+            xd[i] *= scale;
+        }
+        return;
+    }
+    const float s = (float)scale;
     TM_SIMD
     for (int64_t i = 0; i < n; i++) {
-        store_elem(x, i, load_elem(x, i, dt) * scale, dt);
+        store_elem(x, i, load_elem(x, i, dt) * s, dt);
     }
 }
 
 #define CPU_DEFINE_SCALE(DT, DTYPE)                                                                \
-    static void scale_##DT(void *x, int64_t n, float scale) { scale_loop(x, n, scale, DTYPE); }
+    static void scale_##DT(void *x, int64_t n, double scale) { scale_loop(x, n, scale, DTYPE); }
 
 /* ---------------------------------------------------------------- norms ---- */
 
 CPU_INLINE double
-reduce_add(double acc, float x, cpu_norm_kind kind, double p)
+reduce_add(double acc, double x, cpu_norm_kind kind, double p)
 {
     switch (kind) {
     case CPU_NORM_L1:
@@ -195,11 +244,11 @@ reduce_loop(const void *restrict x, int64_t n, cpu_norm_kind kind, double p, tm_
     for (; i + CPU_ACC <= n; i += CPU_ACC) {
 #pragma GCC unroll 8
         for (int j = 0; j < CPU_ACC; j++) {
-            acc[j] = reduce_add(acc[j], load_elem(x, i + j, dt), kind, p);
+            acc[j] = reduce_add(acc[j], load_wide(x, i + j, dt), kind, p);
         }
     }
     for (int j = 0; i + j < n; j++) {
-        acc[j] = reduce_add(acc[j], load_elem(x, i + j, dt), kind, p);
+        acc[j] = reduce_add(acc[j], load_wide(x, i + j, dt), kind, p);
     }
     double lo =
         reduce_join(reduce_join(acc[0], acc[1], kind), reduce_join(acc[2], acc[3], kind), kind);
@@ -232,6 +281,12 @@ CPU_INLINE int
 nonfinite_loop(const void *restrict x, int64_t n, tm_dtype dt)
 {
     int any = 0;
+    if (dt == TM_FLOAT64) {
+        for (int64_t i = 0; i < n; i++) {
+            any |= !(fabs(((const double *)x)[i]) <= DBL_MAX);
+        }
+        return any;
+    }
     for (int64_t i = 0; i < n; i++) {
         any |= !(fabsf(load_elem(x, i, dt)) <= FLT_MAX);
     }
@@ -242,25 +297,30 @@ nonfinite_loop(const void *restrict x, int64_t n, tm_dtype dt)
     static int nonfinite_##DT(const void *x, int64_t n) { return nonfinite_loop(x, n, DTYPE); }
 
 #define CPU_DEFINE_DTYPE(DT, DTYPE)                                                                \
-    CPU_DEFINE_ADAMW(DT, DTYPE)                                                                    \
     CPU_DEFINE_SCALE(DT, DTYPE)                                                                    \
     CPU_DEFINE_REDUCE(DT, DTYPE)                                                                   \
     CPU_DEFINE_NONFINITE(DT, DTYPE)
 
+CPU_DEFINE_ADAMW(f32, TM_FLOAT32)
+CPU_DEFINE_ADAMW(f16, TM_FLOAT16)
+CPU_DEFINE_ADAMW(bf16, TM_BFLOAT16)
 CPU_DEFINE_DTYPE(f32, TM_FLOAT32)
 CPU_DEFINE_DTYPE(f16, TM_FLOAT16)
 CPU_DEFINE_DTYPE(bf16, TM_BFLOAT16)
+CPU_DEFINE_DTYPE(f64, TM_FLOAT64)
 
 #include "cpu_cms_loops_impl.h"
 
-/* Indexed by tm_dtype: TM_FLOAT32, TM_FLOAT16, TM_BFLOAT16. */
-_Static_assert(TM_FLOAT32 == 0 && TM_FLOAT16 == 1 && TM_BFLOAT16 == 2, "table order is tm_dtype");
+/* Indexed by tm_dtype: TM_FLOAT32, TM_FLOAT16, TM_BFLOAT16, TM_FLOAT64. */
+_Static_assert(TM_FLOAT32 == 0 && TM_FLOAT16 == 1 && TM_BFLOAT16 == 2 && TM_FLOAT64 == 3 &&
+                   TM_DTYPE_COUNT == 4,
+               "table order is tm_dtype");
 
 const cpu_kernels TM_CAT(cpu_kernels_, TM_ISA_SUFFIX) = {
     .name = TM_STR(TM_ISA_SUFFIX),
     .cms = &TM_CAT(cpu_cms_kernels_, TM_ISA_SUFFIX),
-    .adamw = {adamw_f32, adamw_f16, adamw_bf16},
-    .scale = {scale_f32, scale_f16, scale_bf16},
-    .reduce = {reduce_f32, reduce_f16, reduce_bf16},
-    .nonfinite = {nonfinite_f32, nonfinite_f16, nonfinite_bf16},
+    .adamw = {adamw_f32, adamw_f16, adamw_bf16, adamw_f64},
+    .scale = {scale_f32, scale_f16, scale_bf16, scale_f64},
+    .reduce = {reduce_f32, reduce_f16, reduce_bf16, reduce_f64},
+    .nonfinite = {nonfinite_f32, nonfinite_f16, nonfinite_bf16, nonfinite_f64},
 };

@@ -93,7 +93,8 @@ join(double acc, double part, cpu_norm_kind kind)
 
 /* out[g] = norm of the blocks of group g, for every group; blocks taken in index order. */
 static void
-combine_groups(const norms_ctx *ctx, const double *part, const tm_norms_args *args, float *out)
+combine_groups(const norms_ctx *ctx, const double *part, const tm_norms_args *args,
+               const tm_tensor *out)
 {
     double acc[CPU_GROUP_CHUNK];
     for (int32_t g0 = 0; g0 < args->num_groups; g0 += CPU_GROUP_CHUNK) {
@@ -112,7 +113,7 @@ combine_groups(const norms_ctx *ctx, const double *part, const tm_norms_args *ar
             first += nb;
         }
         for (int32_t j = 0; j < ng; j++) {
-            out[g0 + j] = tm_norm_finish(acc[j], ctx->p);
+            cpu_store_real(out, g0 + j, tm_norm_finish(acc[j], ctx->p));
         }
     }
 }
@@ -133,27 +134,26 @@ write_outputs(const norms_ctx *ctx, const tm_norms_args *args, const tm_norms_ou
               int64_t blocks)
 {
     double total = combine_all(ctx->grad_part, blocks, ctx->kind);
-    combine_groups(ctx, ctx->grad_part, args, out->group_grad.data);
-    *(float *)out->total_grad.data = tm_norm_finish(total, ctx->p);
+    combine_groups(ctx, ctx->grad_part, args, &out->group_grad);
+    cpu_store_real(&out->total_grad, 0, tm_norm_finish(total, ctx->p));
     if (tm_tensor_given(&out->coef)) {
-        /* from the stored float32 norm, as tm_clip_coef would compute it */
-        *(float *)out->coef.data =
-            tm_clip_coef_elem(*(const float *)out->total_grad.data, (float)args->max_norm);
+        /* from the norm as stored, as tm_clip_coef would compute it */
+        cpu_store_clip_coef(&out->coef, cpu_read_real(&out->total_grad, 0), args->max_norm);
     }
     if (tm_tensor_given(&out->nonfinite)) {
         int bad = ctx->flag_part != NULL ? combine_all(ctx->flag_part, blocks, CPU_NORM_L1) != 0.0
                                          : !isfinite(total);
-        *(float *)out->nonfinite.data = bad ? 1.0f : 0.0f;
+        cpu_store_real(&out->nonfinite, 0, bad ? 1.0 : 0.0);
     }
     if (ctx->params == NULL) {
         return;
     }
     if (tm_tensor_given(&out->group_param)) {
-        combine_groups(ctx, ctx->param_part, args, out->group_param.data);
+        combine_groups(ctx, ctx->param_part, args, &out->group_param);
     }
     if (tm_tensor_given(&out->total_param)) {
-        *(float *)out->total_param.data =
-            tm_norm_finish(combine_all(ctx->param_part, blocks, ctx->kind), ctx->p);
+        cpu_store_real(&out->total_param, 0,
+                       tm_norm_finish(combine_all(ctx->param_part, blocks, ctx->kind), ctx->p));
     }
 }
 

@@ -91,8 +91,8 @@ cpu_for_each_block(const tm_tensor_list *lead, const tm_exec *exec, cpu_segment_
 typedef struct {
     const tm_adamw_tensors *t;
     const tm_adamw_args *args;
-    const float *lr;
-    float grad_scale;
+    const tm_tensor *lr; /* float32 or float64 */
+    double grad_scale;   /* as given: rounded to float for all but float64 tensors */
     float loss_scale;
     int32_t unscale; /* a loss_scale given */
     cpu_adamw_fn const *loops;
@@ -112,18 +112,30 @@ adamw_segment(void *vctx, int32_t i, int64_t b0, int64_t b1, int64_t global_bloc
     const tm_adamw_args *args = ctx->args;
     int32_t group = args->group_of != NULL ? args->group_of[i] : 0;
     const tm_adamw_group *hp = &args->groups[group];
-    tm_adamw_coeffs c = tm_adamw_coeffs_make(
-        ctx->lr[group], hp->beta1, hp->beta2, hp->eps, hp->weight_decay,
-        next_step(&t->step.tensors[i]), ctx->grad_scale, hp->maximize != 0, args->amsgrad != 0);
-    c.loss_scale = ctx->loss_scale;
+    const double lr = cpu_read_real(ctx->lr, group);
+    const double step = next_step(&t->step.tensors[i]);
     const tm_tensor *p = &t->params.tensors[i];
+    tm_adamw_coeffs c32;
+    tm_adamw_coeffs_f64 c64;
+    const void *c;
+    if (p->dtype == TM_FLOAT64) {
+        c64 = tm_adamw_coeffs_f64_make(lr, hp->beta1, hp->beta2, hp->eps, hp->weight_decay, step,
+                                       ctx->grad_scale, hp->maximize != 0, args->amsgrad != 0);
+        c64.loss_scale = ctx->loss_scale;
+        c = &c64;
+    } else {
+        c32 = tm_adamw_coeffs_make(lr, hp->beta1, hp->beta2, hp->eps, hp->weight_decay, step,
+                                   (float)ctx->grad_scale, hp->maximize != 0, args->amsgrad != 0);
+        c32.loss_scale = ctx->loss_scale;
+        c = &c32;
+    }
     int64_t offset;
     int64_t n = cpu_segment_elems(p->numel, b0, b1, &offset);
     void *vmax = args->amsgrad ? cpu_elem_ptr(&t->max_exp_avg_sq.tensors[i], offset) : NULL;
     (void)global_block;
     ctx->loops[p->dtype](cpu_elem_ptr(p, offset), cpu_elem_ptr(&t->grads.tensors[i], offset),
                          cpu_elem_ptr(&t->exp_avg.tensors[i], offset),
-                         cpu_elem_ptr(&t->exp_avg_sq.tensors[i], offset), vmax, n, &c,
+                         cpu_elem_ptr(&t->exp_avg_sq.tensors[i], offset), vmax, n, c,
                          ctx->unscale);
 }
 
@@ -152,8 +164,8 @@ cpu_adamw_step(const tm_adamw_tensors *t, const tm_adamw_args *args, const tm_ad
     adamw_ctx ctx = {
         .t = t,
         .args = args,
-        .lr = in->lr.data,
-        .grad_scale = tm_tensor_given(&in->grad_scale) ? *(const float *)in->grad_scale.data : 1.0f,
+        .lr = &in->lr,
+        .grad_scale = tm_tensor_given(&in->grad_scale) ? cpu_read_real(&in->grad_scale, 0) : 1.0,
         .loss_scale = tm_tensor_given(&in->loss_scale) ? *(const float *)in->loss_scale.data : 1.0f,
         .unscale = tm_tensor_given(&in->loss_scale),
         .loops = cpu_active_kernels()->adamw,
@@ -171,7 +183,7 @@ cpu_adamw_step(const tm_adamw_tensors *t, const tm_adamw_args *args, const tm_ad
 
 typedef struct {
     const tm_tensor_list *tensors;
-    float scale;
+    double scale;
     cpu_scale_fn const *loops;
 } scale_ctx;
 
@@ -190,7 +202,7 @@ tm_status
 cpu_scale(const tm_tensor_list *tensors, const tm_tensor *scale, const tm_exec *exec)
 {
     /* Read once up front: the factor may live inside one of the tensors being scaled. */
-    scale_ctx ctx = {tensors, *(const float *)scale->data, cpu_active_kernels()->scale};
+    scale_ctx ctx = {tensors, cpu_read_real(scale, 0), cpu_active_kernels()->scale};
     cpu_for_each_block(tensors, exec, scale_segment, &ctx);
     return TM_OK;
 }
@@ -200,6 +212,6 @@ cpu_clip_coef(const tm_tensor *total_norm, double max_norm, const tm_tensor *coe
               const tm_exec *exec)
 {
     (void)exec;
-    *(float *)coef->data = tm_clip_coef_elem(*(const float *)total_norm->data, (float)max_norm);
+    cpu_store_clip_coef(coef, cpu_read_real(total_norm, 0), max_norm);
     return TM_OK;
 }

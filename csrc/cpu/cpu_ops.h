@@ -41,11 +41,12 @@
 typedef enum { CPU_NORM_L1 = 0, CPU_NORM_L2, CPU_NORM_LINF, CPU_NORM_LP } cpu_norm_kind;
 
 /* One call per contiguous run of elements of one tensor; pointers already point at the run.
- * vmax is NULL unless c->amsgrad; g is written only with unscale (the gradient divided by
- * c->loss_scale). */
+ * coeffs: a tm_adamw_coeffs, or a tm_adamw_coeffs_f64 for a float64 tensor. vmax is NULL unless
+ * amsgrad; g is written only with unscale (the gradient divided by the loss scale). */
 typedef void (*cpu_adamw_fn)(void *p, void *g, void *m, void *v, void *vmax, int64_t n,
-                             const tm_adamw_coeffs *c, int32_t unscale);
-typedef void (*cpu_scale_fn)(void *x, int64_t n, float scale);
+                             const void *coeffs, int32_t unscale);
+/* x *= scale: in double for float64, else by (float)scale in float. */
+typedef void (*cpu_scale_fn)(void *x, int64_t n, double scale);
 /* Reduced value of one block (n <= TM_CPU_BLOCK): sum |x|^p, or max |x| for CPU_NORM_LINF,
  * with 8 accumulators combined in a fixed order. */
 typedef double (*cpu_reduce_fn)(const void *x, int64_t n, cpu_norm_kind kind, double p);
@@ -121,10 +122,10 @@ typedef struct {
 typedef struct {
     const char *name;
     const cpu_cms_kernels *cms;
-    cpu_adamw_fn adamw[3];
-    cpu_scale_fn scale[3];
-    cpu_reduce_fn reduce[3];
-    cpu_nonfinite_fn nonfinite[3];
+    cpu_adamw_fn adamw[TM_DTYPE_COUNT];
+    cpu_scale_fn scale[TM_DTYPE_COUNT];
+    cpu_reduce_fn reduce[TM_DTYPE_COUNT];
+    cpu_nonfinite_fn nonfinite[TM_DTYPE_COUNT];
 } cpu_kernels;
 
 extern const cpu_kernels cpu_kernels_generic;
@@ -187,8 +188,39 @@ cpu_segment_elems(int64_t numel, int64_t b0, int64_t b1, int64_t *offset)
 static inline void *
 cpu_elem_ptr(const tm_tensor *t, int64_t offset)
 {
-    size_t size = t->dtype == TM_FLOAT32 ? 4 : 2;
-    return (char *)t->data + (size_t)offset * size;
+    static const size_t size[TM_DTYPE_COUNT] = {4, 2, 2, 8}; /* in tm_dtype order */
+    return (char *)t->data + (size_t)offset * size[t->dtype];
+}
+
+/* Element i of a float32 or float64 tensor (validated) in host memory, as a double. */
+static inline double
+cpu_read_real(const tm_tensor *t, int64_t i)
+{
+    return t->dtype == TM_FLOAT64 ? ((const double *)t->data)[i]
+                                  : (double)((const float *)t->data)[i];
+}
+
+/* Element i of a float32 or float64 tensor = value, rounded once to its dtype. */
+static inline void
+cpu_store_real(const tm_tensor *t, int64_t i, double value)
+{
+    if (t->dtype == TM_FLOAT64) {
+        ((double *)t->data)[i] = value;
+    } else {
+        ((float *)t->data)[i] = (float)value;
+    }
+}
+
+/* coef[0] = the clip coefficient of total_norm, in the arithmetic of coef's dtype: float32 as
+ * torch clips float32 gradients (the norm rounded to float first), double for float64. */
+static inline void
+cpu_store_clip_coef(const tm_tensor *coef, double total_norm, double max_norm)
+{
+    if (coef->dtype == TM_FLOAT64) {
+        *(double *)coef->data = tm_clip_coef_elem_f64(total_norm, max_norm);
+    } else {
+        *(float *)coef->data = tm_clip_coef_elem((float)total_norm, (float)max_norm);
+    }
 }
 
 /* out[q] = sum over nb blocks of part q, block b's parts at first[b * stride], in block order:

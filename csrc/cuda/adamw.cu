@@ -10,14 +10,16 @@
  *   p -= lr / (1 - beta1^step) * m / (sqrt(amsgrad ? vmax : v) / sqrt(1 - beta2^step) + eps)
  *
  * Graph-capturable: lr[group], step[i], grad_scale[0], skip[0] and loss_scale[0] are read by the
- * kernel from device memory; the host passes pointers and the groups' host hyperparameters only.
+ * kernel from device memory (lr and grad_scale as float32 or float64, each in its own dtype); the
+ * host passes pointers and the groups' host hyperparameters only.
  *
  * adamw_kernel<T, DEPTH>: one block per chunk of TM_CHUNK elements (multi_tensor.cuh). Thread 0
- * reads the tensor's step and lr and builds the coefficients in double (tm_adamw_coeffs_make),
- * which the block shares. Every thread then updates its elements in float32: 16-byte loads and
- * stores of p, g, m, v (and vmax) when all of the tensor's pointers are 16-byte aligned, element
- * accesses for the tail and for unaligned views (a view at offset 1 is legal); both paths call
- * tm_adamw_elem. State has the param's dtype (fp32, fp16, bf16), rounded once per store.
+ * reads the tensor's step and lr and builds the coefficients in double (tm_adamw_coeffs_make, or
+ * tm_adamw_coeffs_f64_make for float64), which the block shares. Every thread then updates its
+ * elements in float32 (tm_adamw_elem), or in double for float64 params (tm_adamw_elem_f64, as
+ * torch updates them): 16-byte loads and stores of p, g, m, v (and vmax) when all of the
+ * tensor's pointers are 16-byte aligned, element accesses for the tail and for unaligned views (a
+ * view at offset 1 is legal). State has the param's dtype, rounded once per store.
  *
  * Step counts, race-free within one launch: a block reads step[i] (thread 0) before it arrives
  * at the completion counter in the caller's scratch (atomicAdd after __threadfence). The block
@@ -31,7 +33,7 @@
  * Two calls must not share one scratch concurrently (different streams): they would share the
  * counter.
  *
- * Launches: for each dtype present, ceil(its tensors / capacity), capacity 605 (525 with
+ * Launches: for each dtype present, ceil(its tensors / capacity), capacity 603 (524 with
  * amsgrad) at 32 KB of parameters; more than TM_ADAMW_GROUPS distinct groups also split a launch.
  */
 #include "cuda_ops.h"
@@ -50,8 +52,8 @@ struct adamw_group_hp {
 };
 
 struct adamw_args {
-    const float *lr;         /* [num_groups] */
-    const float *grad_scale; /* [1], NULL = 1 */
+    real_ref lr;             /* [num_groups], float32 or float64 */
+    real_ref grad_scale;     /* [1], float32 or float64; ptr NULL = 1 */
     const float *skip;       /* [1], NULL = never */
     unsigned int *counter;   /* scratch: finished blocks of the running launch */
     int32_t zero_grads;      /* zero_grads_on_skip */
@@ -75,51 +77,69 @@ static_assert(sizeof(adamw_meta<4>) + sizeof(adamw_args) <= TM_KERNEL_PARAM_BYTE
 static_assert(sizeof(adamw_meta<5>) + sizeof(adamw_args) <= TM_KERNEL_PARAM_BYTES, "params");
 static_assert(TM_ADAMW_GROUPS <= 256, "slot is a uint8_t");
 
+/* The coefficients of T's compute type: double ones (tm_math.h's _f64 math) for float64. */
+template <typename T>
+using adamw_coeffs_t =
+    std::conditional_t<std::is_same_v<T, double>, tm_adamw_coeffs_f64, tm_adamw_coeffs>;
+
 /* Coefficients of tensor i. torch increments the float32 step tensor, then takes its value as a
- * Python float for the bias corrections: step + 1 in float32, the rest in double. */
-template <int DEPTH>
-static __device__ __forceinline__ tm_adamw_coeffs
+ * Python float for the bias corrections: step + 1 in float32, the rest in double. Float ones take
+ * grad_scale rounded to float, as the CPU's (a float32 grad_scale passes unchanged). */
+template <typename T, int DEPTH>
+static __device__ __forceinline__ adamw_coeffs_t<T>
 adamw_coeffs_of(const adamw_meta<DEPTH> &meta, const adamw_args &args, int32_t i)
 {
     const adamw_group_hp &g = meta.groups[meta.slot[i]];
-    const float step = meta.step[i][0] + 1.0f;
-    const float scale = args.grad_scale != NULL ? args.grad_scale[0] : 1.0f;
-    tm_adamw_coeffs c =
-        tm_adamw_coeffs_make((double)args.lr[g.lr_index], g.beta1, g.beta2, g.eps, g.weight_decay,
-                             (double)step, scale, g.maximize, DEPTH == 5);
+    const double step = (double)(meta.step[i][0] + 1.0f);
+    const double lr = load_real(args.lr, g.lr_index);
+    const double scale = args.grad_scale.ptr != NULL ? load_real(args.grad_scale, 0) : 1.0;
+    adamw_coeffs_t<T> c;
+    if constexpr (std::is_same_v<T, double>) {
+        c = tm_adamw_coeffs_f64_make(lr, g.beta1, g.beta2, g.eps, g.weight_decay, step, scale,
+                                     g.maximize, DEPTH == 5);
+    } else {
+        c = tm_adamw_coeffs_make(lr, g.beta1, g.beta2, g.eps, g.weight_decay, step, (float)scale,
+                                 g.maximize, DEPTH == 5);
+    }
     if (args.loss_scale != NULL) {
-        c.loss_scale = args.loss_scale[0];
+        c.loss_scale = args.loss_scale[0]; /* float32; widened exactly for float64 params */
     }
     return c;
 }
 
-/* One element of any dtype: widen, tm_adamw_elem, round once. x is touched only with AMS, g is
- * written only with UNSCALE (the gradient divided by the loss scale). */
+/* One element of any dtype: widen to its compute type, the element math, round once. x is touched
+ * only with AMS, g is written only with UNSCALE (the gradient divided by the loss scale). */
 template <typename T, bool AMS, bool UNSCALE>
 static __device__ __forceinline__ void
-adamw_apply(T &p, T &g, T &m, T &v, T *x, const tm_adamw_coeffs &c)
+adamw_apply(T &p, T &g, T &m, T &v, T *x, const adamw_coeffs_t<T> &c)
 {
-    float pf = to_float(p);
-    float mf = to_float(m);
-    float vf = to_float(v);
-    float xf = AMS ? to_float(*x) : 0.0f;
-    const float gf = tm_adamw_scaled_grad(to_float(g), &c, UNSCALE);
-    tm_adamw_elem(&pf, &mf, &vf, &xf, gf, &c);
-    p = from_float<T>(pf);
-    m = from_float<T>(mf);
-    v = from_float<T>(vf);
+    real_t<T> pf = to_real(p);
+    real_t<T> mf = to_real(m);
+    real_t<T> vf = to_real(v);
+    real_t<T> xf = AMS ? to_real(*x) : (real_t<T>)0;
+    real_t<T> gf;
+    if constexpr (std::is_same_v<T, double>) {
+        gf = tm_adamw_scaled_grad_f64(g, &c, UNSCALE);
+        tm_adamw_elem_f64(&pf, &mf, &vf, &xf, gf, &c);
+    } else {
+        gf = tm_adamw_scaled_grad(to_float(g), &c, UNSCALE);
+        tm_adamw_elem(&pf, &mf, &vf, &xf, gf, &c);
+    }
+    p = from_real<T>(pf);
+    m = from_real<T>(mf);
+    v = from_real<T>(vf);
     if constexpr (AMS) {
-        *x = from_float<T>(xf);
+        *x = from_real<T>(xf);
     }
     if constexpr (UNSCALE) {
-        g = from_float<T>(gf);
+        g = from_real<T>(gf);
     }
 }
 
 /* Vector k (16 bytes of each tensor) of a chunk whose pointers are all 16-byte aligned. */
 template <typename T, bool AMS, bool UNSCALE>
 static __device__ __forceinline__ void
-adamw_vec(T *p, T *g, T *m, T *v, T *x, int32_t k, const tm_adamw_coeffs &c)
+adamw_vec(T *p, T *g, T *m, T *v, T *x, int32_t k, const adamw_coeffs_t<T> &c)
 {
     vec16<T> rp = reinterpret_cast<const vec16<T> *>(p)[k];
     vec16<T> rg = reinterpret_cast<const vec16<T> *>(g)[k];
@@ -149,7 +169,7 @@ adamw_vec(T *p, T *g, T *m, T *v, T *x, int32_t k, const tm_adamw_coeffs &c)
 template <typename T, int DEPTH, bool UNSCALE>
 static __device__ __forceinline__ void
 adamw_chunk(const adamw_meta<DEPTH> &meta, int32_t i, int64_t start, int32_t len,
-            const tm_adamw_coeffs &c)
+            const adamw_coeffs_t<T> &c)
 {
     constexpr bool AMS = DEPTH == 5;
     constexpr int32_t VEC = TM_VEC_BYTES / sizeof(T);
@@ -206,7 +226,7 @@ adamw_zero_grad_chunk(const adamw_meta<DEPTH> &meta)
     int64_t start;
     locate_chunk(meta.t, blockIdx.x, &i, &start, &len);
     T *g = (T *)meta.ptr[TM_IDX_GRAD][i] + start;
-    const T zero = from_float<T>(0.0f);
+    const T zero = from_real<T>(0);
     for (int32_t k = threadIdx.x; k < len; k += TM_BLOCK) {
         g[k] = zero;
     }
@@ -218,7 +238,7 @@ template <typename T, int DEPTH>
 __global__ void __launch_bounds__(TM_BLOCK, TM_MIN_BLOCKS)
 adamw_kernel(const __grid_constant__ adamw_meta<DEPTH> meta, const adamw_args args)
 {
-    __shared__ tm_adamw_coeffs s_coeffs;
+    __shared__ adamw_coeffs_t<T> s_coeffs;
     const bool has_chunk = blockIdx.x < meta.t.num_chunks;
     if (args.skip != NULL && args.skip[0] != 0.0f) {
         if (args.zero_grads && has_chunk) {
@@ -232,13 +252,13 @@ adamw_kernel(const __grid_constant__ adamw_meta<DEPTH> meta, const adamw_args ar
     if (has_chunk) {
         locate_chunk(meta.t, blockIdx.x, &i, &start, &len);
         if (threadIdx.x == 0) {
-            s_coeffs = adamw_coeffs_of(meta, args, i);
+            s_coeffs = adamw_coeffs_of<T>(meta, args, i);
         }
     }
     __syncthreads();
     if (has_chunk) {
-        tm_adamw_coeffs c = s_coeffs;
-        c.amsgrad = DEPTH == 5; /* a constant, so tm_adamw_elem's branch folds */
+        adamw_coeffs_t<T> c = s_coeffs;
+        c.amsgrad = DEPTH == 5; /* a constant, so the element function's branch folds */
         if (args.loss_scale != NULL) { /* the same in every thread: no divergence */
             adamw_chunk<T, DEPTH, true>(meta, i, start, len, c);
         } else {
@@ -343,7 +363,9 @@ struct adamw_walk {
             return adamw_launch<__half>(m, args, stream);
         case TM_BFLOAT16:
             return adamw_launch<__nv_bfloat16>(m, args, stream);
-        default:
+        case TM_FLOAT64:
+            return adamw_launch<double>(m, args, stream);
+        default: /* TM_FLOAT32 */
             return adamw_launch<float>(m, args, stream);
         }
     }
@@ -360,14 +382,15 @@ cuda_adamw_step(const tm_adamw_tensors *t, const tm_adamw_args *args, const tm_a
                 const tm_exec *exec)
 {
     TM_NVTX_RANGE("cuda_adamw_step");
-    static const tm_dtype dtypes[] = {TM_FLOAT32, TM_FLOAT16, TM_BFLOAT16};
+    static const tm_dtype dtypes[] = {TM_FLOAT32, TM_FLOAT16, TM_BFLOAT16, TM_FLOAT64};
+    static_assert(sizeof(dtypes) / sizeof(dtypes[0]) == TM_DTYPE_COUNT, "a launch series each");
     cuda_device_guard guard;
     TM_TRY(guard.enter(in->lr.device_id));
     adamw_walk walk;
     walk.t = t;
     walk.hp = args;
-    walk.args.lr = (const float *)in->lr.data;
-    walk.args.grad_scale = (const float *)in->grad_scale.data; /* NULL when not given */
+    walk.args.lr = real_ref_of(in->lr);
+    walk.args.grad_scale = real_ref_of(in->grad_scale); /* ptr NULL when not given */
     walk.args.skip = (const float *)in->skip.data;
     walk.args.counter = (unsigned int *)exec->scratch;
     walk.args.zero_grads = args->zero_grads_on_skip != 0;

@@ -6,12 +6,17 @@
  * a CUDA graph (llm.c computes its clip factor on the device the same way; torch #139662 split
  * get_total_norm from clip_grads_with_norm_ for the same reason).
  *
- * clip_coef_kernel: one thread, one element.
+ * total_norm, coef and scale may each be float32 or float64 (real_ref carries which).
+ *
+ * clip_coef_kernel: one thread, one element, in coef's arithmetic (store_clip_coef, as the CPU):
+ * float32 from the norm rounded to float, double from the norm as a double.
  * scale_kernel: one block per chunk of TM_CHUNK elements (multi_tensor.cuh); 16-byte loads and
  * stores, TM_ILP in flight, when the tensor is 16-byte aligned, element accesses for the tail and
- * for unaligned views. Math in float32, rounded once to the tensor's dtype. A block switches on
- * its tensor's dtype, so a list mixing dtypes still takes ceil(non-empty tensors / 1,500)
- * launches at 32 KB of parameters.
+ * for unaligned views. A float64 tensor is multiplied by the factor as a double; the others by
+ * the factor rounded to float, in float32, rounded once to the tensor's dtype (torch multiplies
+ * each gradient by the coefficient cast to its dtype). A block switches on its tensor's dtype, so
+ * a list mixing dtypes still takes ceil(non-empty tensors / 1,500) launches at 32 KB of
+ * parameters.
  */
 #include "cuda_ops.h"
 #include "multi_tensor.cuh"
@@ -20,9 +25,9 @@
 /* ---------------------------------------------------------------- clip coefficient ---- */
 
 __global__ void
-clip_coef_kernel(const float *total_norm, float max_norm, float *coef)
+clip_coef_kernel(const real_ref total_norm, double max_norm, const real_ref coef)
 {
-    coef[0] = tm_clip_coef_elem(total_norm[0], max_norm);
+    store_clip_coef(coef, load_real(total_norm, 0), max_norm);
 }
 
 tm_status
@@ -32,9 +37,10 @@ cuda_clip_coef(const tm_tensor *total_norm, double max_norm, const tm_tensor *co
     TM_NVTX_RANGE("cuda_clip_coef");
     cuda_device_guard guard;
     TM_TRY(guard.enter(total_norm->device_id));
-    /* torch multiplies a float32 tensor by the Python float max_norm in float32 */
-    clip_coef_kernel<<<1, 1, 0, cuda_stream_of(exec)>>>((const float *)total_norm->data,
-                                                        (float)max_norm, (float *)coef->data);
+    /* torch multiplies a float32 tensor by the Python float max_norm in float32, a float64 one
+     * in double: store_clip_coef rounds max_norm for a float32 coef */
+    clip_coef_kernel<<<1, 1, 0, cuda_stream_of(exec)>>>(real_ref_of(*total_norm), max_norm,
+                                                        real_ref_of(*coef));
     TM_CUDA_CHECK(cudaGetLastError());
     return TM_OK;
 }
@@ -42,17 +48,17 @@ cuda_clip_coef(const tm_tensor *total_norm, double max_norm, const tm_tensor *co
 /* ---------------------------------------------------------------- scale ---- */
 
 struct scale_meta {
-    static constexpr int capacity = cuda_meta_capacity(sizeof(void *) + 1, sizeof(float *));
+    static constexpr int capacity = cuda_meta_capacity(sizeof(void *) + 1, sizeof(real_ref));
     void *ptr[capacity];
     tensor_table<capacity> t;
     uint8_t dtype[capacity];
 };
-static_assert(sizeof(scale_meta) + sizeof(float *) <= TM_KERNEL_PARAM_BYTES, "params");
+static_assert(sizeof(scale_meta) + sizeof(real_ref) <= TM_KERNEL_PARAM_BYTES, "params");
 
-/* This thread's share of one chunk, in place. */
+/* This thread's share of one chunk, in place, in T's compute type (s already rounded to it). */
 template <typename T>
 static __device__ __forceinline__ void
-scale_chunk(T *x, int32_t len, float s)
+scale_chunk(T *x, int32_t len, real_t<T> s)
 {
     constexpr int32_t VEC = TM_VEC_BYTES / sizeof(T);
     const int32_t nvec = is_aligned16(x) ? len / VEC : 0;
@@ -70,36 +76,39 @@ scale_chunk(T *x, int32_t len, float s)
             if (k0 + u * TM_BLOCK < nvec) {
 #pragma unroll
                 for (int e = 0; e < VEC; e++) {
-                    r[u].v[e] = from_float<T>(to_float(r[u].v[e]) * s);
+                    r[u].v[e] = from_real<T>(to_real(r[u].v[e]) * s);
                 }
                 xv[k0 + u * TM_BLOCK] = r[u];
             }
         }
     }
     for (int32_t k = nvec * VEC + threadIdx.x; k < len; k += TM_BLOCK) {
-        x[k] = from_float<T>(to_float(x[k]) * s);
+        x[k] = from_real<T>(to_real(x[k]) * s);
     }
 }
 
 /* Block b -> chunk b of the launch; every thread reads the scale (one broadcast load). */
 __global__ void __launch_bounds__(TM_BLOCK)
-scale_kernel(const __grid_constant__ scale_meta meta, const float *scale)
+scale_kernel(const __grid_constant__ scale_meta meta, const real_ref scale)
 {
     int32_t i;
     int32_t len;
     int64_t start;
     locate_chunk(meta.t, blockIdx.x, &i, &start, &len);
-    const float s = scale[0];
+    const double s = load_real(scale, 0);
     void *x = meta.ptr[i];
     switch (meta.dtype[i]) {
     case TM_FLOAT16:
-        scale_chunk((__half *)x + start, len, s);
+        scale_chunk((__half *)x + start, len, (float)s);
         break;
     case TM_BFLOAT16:
-        scale_chunk((__nv_bfloat16 *)x + start, len, s);
+        scale_chunk((__nv_bfloat16 *)x + start, len, (float)s);
         break;
-    default:
-        scale_chunk((float *)x + start, len, s);
+    case TM_FLOAT64:
+        scale_chunk((double *)x + start, len, s);
+        break;
+    default: /* TM_FLOAT32 */
+        scale_chunk((float *)x + start, len, (float)s);
         break;
     }
 }
@@ -108,7 +117,7 @@ scale_kernel(const __grid_constant__ scale_meta meta, const float *scale)
 struct scale_walk {
     static constexpr bool keep_empty = false;
     const tm_tensor_list *tensors;
-    const float *scale;
+    real_ref scale;
     cudaStream_t stream;
 
     bool include(int32_t) const { return true; }
@@ -140,7 +149,7 @@ cuda_scale(const tm_tensor_list *tensors, const tm_tensor *scale, const tm_exec 
     TM_TRY(guard.enter(scale->device_id));
     scale_walk walk;
     walk.tensors = tensors;
-    walk.scale = (const float *)scale->data;
+    walk.scale = real_ref_of(*scale);
     walk.stream = cuda_stream_of(exec);
     return multi_tensor_apply<scale_meta>(walk, tensors->count);
 }

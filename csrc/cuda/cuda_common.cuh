@@ -1,7 +1,8 @@
 /*
  * cuda_common.cuh -- what every CUDA op file shares: the error macro that records through
  * tm_set_error, the device guard, the stream mapping, the launch geometry constants, 16-byte
- * vectors, dtype conversions, and deterministic warp/block reductions.
+ * vectors, dtype conversions (float math for float32, float16, bfloat16; double for float64),
+ * float32-or-float64 scalars, and deterministic warp/block reductions.
  *
  * Adapted from llm.c llmc/cuda_common.h (cudaCheck, minus the exit: we return a tm_status) and
  * from apex / PyTorch multi-tensor code (device guard around launches, 512 threads per block,
@@ -14,6 +15,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
+
+#include <type_traits>
 
 #include "titanmac.h"
 #include "tm_math.h"
@@ -30,8 +33,8 @@
                               are in flight per SM rather than 16 (no spills on any target) */
 
 static_assert(TM_BLOCK % 32 == 0 && TM_BLOCK <= 1024, "whole warps, one block");
-/* Chunk c of a tensor starts c * TM_CHUNK elements (of 2 or 4 bytes) in: a 16-aligned tensor has
- * 16-aligned chunks, so one alignment test per tensor decides the vector path. */
+/* Chunk c of a tensor starts c * TM_CHUNK elements (of 2, 4 or 8 bytes) in: a 16-aligned tensor
+ * has 16-aligned chunks, so one alignment test per tensor decides the vector path. */
 static_assert((TM_CHUNK * 2) % TM_VEC_BYTES == 0, "chunk starts keep 16-byte alignment");
 
 /* Kernel parameter space. CUDA 12.1 raised the limit from 4,096 to 32,764 bytes on Volta and
@@ -104,7 +107,8 @@ cuda_stream_of(const tm_exec *exec)
 
 /* ---------------------------------------------------------------- elements ---- */
 
-/* 16 bytes of T, loaded and stored as one LDG.128 / STG.128 when the address is 16-aligned. */
+/* 16 bytes of T (2 float64, 4 float32, 8 float16 or bfloat16 elements), loaded and stored as one
+ * LDG.128 / STG.128 when the address is 16-aligned. */
 template <typename T> struct alignas(TM_VEC_BYTES) vec16 {
     T v[TM_VEC_BYTES / sizeof(T)];
 };
@@ -115,7 +119,13 @@ is_aligned16(const void *p)
     return ((uintptr_t)p & (TM_VEC_BYTES - 1)) == 0;
 }
 
-/* Widening is exact; narrowing rounds to nearest even, as torch does. */
+/* The type an element is computed in (tm_math.h): double for float64, float for the others. */
+template <typename T> using real_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
+
+/* Element <-> its compute type. Widening is exact; narrowing rounds to nearest even, as torch
+ * does. A float64 element is never routed through float: to_float(double) and
+ * from_float<double> are deleted, so such a slip does not compile; to_real / from_real and
+ * to_wide are the generic forms. */
 static __device__ __forceinline__ float
 to_float(float x)
 {
@@ -133,6 +143,8 @@ to_float(__nv_bfloat16 x)
 {
     return __bfloat162float(x);
 }
+
+static __device__ float to_float(double x) = delete;
 
 template <typename T> static __device__ __forceinline__ T from_float(float x);
 
@@ -155,6 +167,85 @@ __device__ __forceinline__ __nv_bfloat16
 from_float<__nv_bfloat16>(float x)
 {
     return __float2bfloat16_rn(x);
+}
+
+template <> __device__ double from_float<double>(float x) = delete;
+
+template <typename T>
+static __device__ __forceinline__ real_t<T>
+to_real(T x)
+{
+    if constexpr (std::is_same_v<T, double>) {
+        return x;
+    } else {
+        return to_float(x);
+    }
+}
+
+template <typename T>
+static __device__ __forceinline__ T
+from_real(real_t<T> x)
+{
+    if constexpr (std::is_same_v<T, double>) {
+        return x;
+    } else {
+        return from_float<T>(x);
+    }
+}
+
+/* Any element as a double, exactly (the norms accumulate in double). */
+template <typename T>
+static __device__ __forceinline__ double
+to_wide(T x)
+{
+    return (double)to_real(x);
+}
+
+/* ---------------------------------------------------------------- real scalars ---- */
+
+/* A tensor that may be float32 or float64 (validated): norm outputs, clip coefficients, scale
+ * factors, learning rates, grad scales. Carrying the dtype with the pointer means 8 bytes are never
+ * read or written as 4. */
+struct real_ref {
+    void *ptr; /* NULL: not given */
+    bool f64;  /* float64, else float32 */
+};
+
+static inline real_ref
+real_ref_of(const tm_tensor &t)
+{
+    return real_ref{t.data, t.dtype == TM_FLOAT64};
+}
+
+/* Element i as a double (exact). */
+static __device__ __forceinline__ double
+load_real(real_ref x, int64_t i)
+{
+    return x.f64 ? ((const double *)x.ptr)[i] : (double)((const float *)x.ptr)[i];
+}
+
+/* Element i = value, rounded once to the tensor's dtype. */
+static __device__ __forceinline__ void
+store_real(real_ref x, int64_t i, double value)
+{
+    if (x.f64) {
+        ((double *)x.ptr)[i] = value;
+    } else {
+        ((float *)x.ptr)[i] = (float)value;
+    }
+}
+
+/* coef[0] = the clip coefficient of total_norm in the arithmetic of coef's dtype, as
+ * cpu_store_clip_coef: float32 as torch clips float32 gradients (the norm and max_norm rounded to
+ * float first), double for float64. */
+static __device__ __forceinline__ void
+store_clip_coef(real_ref coef, double total_norm, double max_norm)
+{
+    if (coef.f64) {
+        *(double *)coef.ptr = tm_clip_coef_elem_f64(total_norm, max_norm);
+    } else {
+        *(float *)coef.ptr = tm_clip_coef_elem((float)total_norm, (float)max_norm);
+    }
 }
 
 /* ---------------------------------------------------------------- reductions ---- */

@@ -10,17 +10,20 @@
  * 1 params) to one record. Each thread accumulates |x|^p in double (tm_pow_abs returns double:
  * a float accumulator would cost one more conversion per element and lose bits), then the block
  * combines its threads with a fixed shuffle tree. The record also carries the tensor's group and
- * whether an element was NaN or Inf.
+ * (p not 1, 2 or inf) whether an element was NaN or Inf. float64 elements are read as doubles
+ * (vec16<double>, to_wide) and never pass through float; the others widen exactly.
  * Pass 2, norms_finish_kernel, one block: thread t combines records t, t + 256, ... in order into
  * its own column per group (shared memory, 8 groups per walk over the records) and into its
  * total; then one warp per (kind, group) column combines the 256 columns in a fixed tree, and the
- * block does the same for the totals. tm_norm_finish turns sums into norms.
+ * block does the same for the totals. tm_norm_finish turns sums into norms (in double), and each
+ * output is stored in its own dtype, float32 or float64, rounded once.
  * Every record is written by exactly one block and read in a fixed order: no atomics, and the
  * same bits on every run whatever the launch split.
  *
- * Non-finite flag: for p = 1, 2, inf a thread's accumulator is non-finite exactly when one of its
- * elements is (a float squared cannot overflow a double, nor can 2^40 of them summed); for other
- * p, |x|^p may overflow, so each element is tested (as cpu_norms.c does).
+ * Non-finite flag, as cpu_norms.c sets it: for p = 1, 2, inf pass 2 tests the reduced grad total
+ * (for float data exactly "an element is NaN or Inf": a float squared cannot overflow a double,
+ * nor can 2^40 of them summed; a float64 sum may also overflow, as torch's total_norm would); for
+ * other p, |x|^p may overflow, so pass 1 tests each element (isfinite of the double).
  *
  * Scratch (cuda_norms_scratch_bytes): norm_partial[kinds][num_chunks], kinds = 2 when params are
  * given. Record j of a kind is chunk c of tensor i, j = c + sum over t < i of
@@ -42,19 +45,18 @@ enum norm_mode { NORM_L1, NORM_L2, NORM_LP, NORM_LINF };
 struct norm_partial {
     double value;       /* sum |x|^p, or max |x|, over the chunk */
     uint32_t group;     /* group_of[tensor] */
-    uint32_t nonfinite; /* 1 when an element of the chunk is NaN or Inf */
+    uint32_t nonfinite; /* NORM_LP only: 1 when an element of the chunk is NaN or Inf */
 };
 static_assert(sizeof(norm_partial) == 16 && alignof(norm_partial) == 8, "the scratch is 8-aligned");
 
-/* a + b, or max that propagates NaN. A max operand is |x| of a float, so the (float) cast that
- * tm_max_abs_nan's argument needs is exact. */
+/* a + b, or max that propagates NaN; a float64 maximum stays a double (never rounded to float). */
 struct norm_combine {
     bool is_max;
 
     __device__ __forceinline__ double
     operator()(double a, double b) const
     {
-        return is_max ? tm_max_abs_nan(a, (float)b) : a + b;
+        return is_max ? tm_max_abs_nan(a, b) : a + b;
     }
 };
 
@@ -76,12 +78,13 @@ template <int KINDS> struct norms_meta {
     uint32_t group[capacity];
     uint8_t dtypes[capacity]; /* grads[i].dtype | params[i].dtype << 4 */
 };
+static_assert(TM_DTYPE_COUNT <= 16, "a dtype fits in 4 bits of norms_meta::dtypes");
 static_assert(sizeof(norms_meta<1>) + sizeof(norms_args) <= TM_KERNEL_PARAM_BYTES, "params");
 static_assert(sizeof(norms_meta<2>) + sizeof(norms_args) <= TM_KERNEL_PARAM_BYTES, "params");
 
 template <int MODE>
 static __device__ __forceinline__ void
-norm_add(double &acc, int &bad, float x, double p)
+norm_add(double &acc, int &bad, double x, double p)
 {
     if constexpr (MODE == NORM_LINF) {
         acc = tm_max_abs_nan(acc, x);
@@ -95,8 +98,8 @@ norm_add(double &acc, int &bad, float x, double p)
     }
 }
 
-/* This thread's share of one chunk: 16-byte loads, TM_ILP in flight, when the chunk is 16-byte
- * aligned; element loads for the tail and for unaligned views. */
+/* This thread's share of one chunk: 16-byte loads (2 to 8 elements), TM_ILP in flight, when the
+ * chunk is 16-byte aligned; element loads for the tail and for unaligned views. */
 template <int MODE, typename T>
 static __device__ __forceinline__ void
 norm_chunk(const T *x, int32_t len, double p, double &acc, int &bad)
@@ -117,13 +120,13 @@ norm_chunk(const T *x, int32_t len, double p, double &acc, int &bad)
 #pragma unroll
             for (int e = 0; e < VEC; e++) {
                 if (k0 + u * TM_BLOCK < nvec) {
-                    norm_add<MODE>(acc, bad, to_float(r[u].v[e]), p);
+                    norm_add<MODE>(acc, bad, to_wide(r[u].v[e]), p);
                 }
             }
         }
     }
     for (int32_t k = nvec * VEC + threadIdx.x; k < len; k += TM_BLOCK) {
-        norm_add<MODE>(acc, bad, to_float(x[k]), p);
+        norm_add<MODE>(acc, bad, to_wide(x[k]), p);
     }
 }
 
@@ -148,14 +151,16 @@ norms_kernel(const __grid_constant__ norms_meta<KINDS> meta, const norms_args ar
     case TM_BFLOAT16:
         norm_chunk<MODE>((const __nv_bfloat16 *)x + start, len, args.p, acc, bad);
         break;
-    default:
+    case TM_FLOAT64:
+        norm_chunk<MODE>((const double *)x + start, len, args.p, acc, bad);
+        break;
+    default: /* TM_FLOAT32 */
         norm_chunk<MODE>((const float *)x + start, len, args.p, acc, bad);
         break;
     }
-    if constexpr (MODE != NORM_LP) {
-        bad = !isfinite(acc);
+    if constexpr (MODE == NORM_LP) { /* else the flag comes from the total (pass 2) */
+        bad = __syncthreads_or(bad);
     }
-    bad = __syncthreads_or(bad);
     acc = block_reduce(acc, norm_combine{MODE == NORM_LINF});
     if (threadIdx.x == 0) {
         const int64_t j = kind * args.num_chunks + args.chunk_base + blockIdx.x;
@@ -232,20 +237,20 @@ struct norms_finish_args {
     const norm_partial *partials;
     int64_t num_chunks;
     double p;
+    double max_norm;
     int32_t num_groups;
     int32_t kinds;
-    int32_t is_max;
-    float *group_out[2]; /* group_grad, group_param (NULL: not wanted) */
-    float *total_out[2]; /* total_grad, total_param (NULL: not wanted) */
-    float *nonfinite;    /* NULL: not wanted */
-    float *coef;         /* clip coefficient of total_grad; NULL: not wanted */
-    float max_norm;
+    int32_t mode;          /* norm_mode */
+    real_ref group_out[2]; /* group_grad, group_param (ptr NULL: not wanted, as below) */
+    real_ref total_out[2]; /* total_grad, total_param */
+    real_ref nonfinite;
+    real_ref coef; /* clip coefficient of total_grad */
 };
 
 typedef double finish_cols[TM_FINISH_GROUPS][TM_FINISH_BLOCK];
 
 /* Thread t folds records t, t + 256, ... in order into its column of groups g0..g0+7, and on the
- * first walk into its totals and its non-finite flag (grads only). */
+ * first walk into its totals and its non-finite flag (grads only; 0 unless NORM_LP). */
 static __device__ __forceinline__ void
 finish_sweep(const norms_finish_args &a, norm_combine op, int64_t g0, finish_cols *col,
              double *total, int *bad)
@@ -283,7 +288,7 @@ finish_columns(const norms_finish_args &a, norm_combine op, int64_t g0, finish_c
     for (int c = threadIdx.x >> 5; c < 2 * TM_FINISH_GROUPS; c += TM_FINISH_BLOCK / 32) {
         const int k = c / TM_FINISH_GROUPS;
         const int w = c % TM_FINISH_GROUPS;
-        if (g0 + w >= a.num_groups || a.group_out[k] == NULL) {
+        if (g0 + w >= a.num_groups || a.group_out[k].ptr == NULL) {
             continue; /* uniform across the warp */
         }
         double v = 0.0;
@@ -292,7 +297,7 @@ finish_columns(const norms_finish_args &a, norm_combine op, int64_t g0, finish_c
         }
         v = warp_reduce(v, op);
         if (lane == 0) {
-            a.group_out[k][g0 + w] = tm_norm_finish(v, a.p);
+            store_real(a.group_out[k], g0 + w, tm_norm_finish(v, a.p));
         }
     }
 }
@@ -302,7 +307,7 @@ __global__ void __launch_bounds__(TM_FINISH_BLOCK)
 norms_finish_kernel(const __grid_constant__ norms_finish_args a)
 {
     __shared__ finish_cols s_col[2];
-    const norm_combine op{a.is_max != 0};
+    const norm_combine op{a.mode == NORM_LINF};
     double total[2] = {0.0, 0.0};
     int bad = 0;
     for (int64_t g0 = 0; g0 < a.num_groups; g0 += TM_FINISH_GROUPS) {
@@ -315,16 +320,18 @@ norms_finish_kernel(const __grid_constant__ norms_finish_args a)
 #pragma unroll
     for (int k = 0; k < 2; k++) {
         const double v = block_reduce(total[k], op);
-        if (threadIdx.x == 0 && a.total_out[k] != NULL) {
-            const float norm = tm_norm_finish(v, a.p);
-            a.total_out[k][0] = norm;
-            if (k == 0 && a.coef != NULL) {
-                a.coef[0] = tm_clip_coef_elem(norm, a.max_norm); /* as cuda_clip_coef does */
+        if (threadIdx.x == 0 && k == 0 && a.mode != NORM_LP) { /* else: from the records */
+            bad = !isfinite(v);
+        }
+        if (threadIdx.x == 0 && a.total_out[k].ptr != NULL) {
+            store_real(a.total_out[k], 0, tm_norm_finish(v, a.p));
+            if (k == 0 && a.coef.ptr != NULL) { /* from the norm as stored, as cuda_clip_coef */
+                store_clip_coef(a.coef, load_real(a.total_out[0], 0), a.max_norm);
             }
         }
     }
-    if (threadIdx.x == 0 && a.nonfinite != NULL) {
-        a.nonfinite[0] = bad ? 1.0f : 0.0f;
+    if (threadIdx.x == 0 && a.nonfinite.ptr != NULL) {
+        store_real(a.nonfinite, 0, bad ? 1.0 : 0.0);
     }
 }
 
@@ -381,14 +388,14 @@ cuda_norms(const tm_tensor_list *grads, const tm_tensor_list *params, const tm_n
     fin.p = args->norm_type;
     fin.num_groups = args->num_groups;
     fin.kinds = with_params ? 2 : 1;
-    fin.is_max = walk.mode == NORM_LINF;
-    fin.group_out[0] = (float *)out->group_grad.data;
-    fin.group_out[1] = (float *)out->group_param.data;
-    fin.total_out[0] = (float *)out->total_grad.data;
-    fin.total_out[1] = (float *)out->total_param.data;
-    fin.nonfinite = (float *)out->nonfinite.data;
-    fin.coef = (float *)out->coef.data;
-    fin.max_norm = (float)args->max_norm;
+    fin.mode = walk.mode;
+    fin.group_out[0] = real_ref_of(out->group_grad);
+    fin.group_out[1] = real_ref_of(out->group_param);
+    fin.total_out[0] = real_ref_of(out->total_grad);
+    fin.total_out[1] = real_ref_of(out->total_param);
+    fin.nonfinite = real_ref_of(out->nonfinite);
+    fin.coef = real_ref_of(out->coef);
+    fin.max_norm = args->max_norm;
     norms_finish_kernel<<<1, TM_FINISH_BLOCK, 0, walk.stream>>>(fin);
     TM_CUDA_CHECK(cudaGetLastError());
     return TM_OK;

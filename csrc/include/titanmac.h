@@ -51,7 +51,10 @@ const char *tm_last_error(void);
 
 /* ---------------------------------------------------------------- tensors ---- */
 
-typedef enum { TM_FLOAT32 = 0, TM_FLOAT16 = 1, TM_BFLOAT16 = 2 } tm_dtype;
+/* TM_FLOAT64 is taken by the norms, clipping and AdamW (computed in double, as torch computes
+ * float64 tensors); the DeepNestedOptimizer's control and CMS ops refuse it. */
+typedef enum { TM_FLOAT32 = 0, TM_FLOAT16 = 1, TM_BFLOAT16 = 2, TM_FLOAT64 = 3 } tm_dtype;
+#define TM_DTYPE_COUNT 4
 
 /* Values match DLPack's DLDeviceType so the importer needs no table. */
 typedef enum { TM_DEVICE_CPU = 1, TM_DEVICE_CUDA = 2 } tm_device_type;
@@ -94,14 +97,17 @@ typedef struct {
     double max_norm;          /* finite, >= 0; read only when out->coef is wanted */
 } tm_norms_args;
 
-/* Outputs: float32 tensors on the tensors' device, written by the call. A tensor with
+/* Outputs: float32 or float64 tensors (each written in its own dtype; float64 keeps a float64
+ * input's norm unrounded) on the tensors' device, written by the call. A tensor with
  * data == NULL and numel == 0 means "not wanted" where marked optional. */
 typedef struct {
     tm_tensor group_grad;  /* [num_groups] p-norm of the grads of each group (0 for an empty one) */
     tm_tensor group_param; /* [num_groups] p-norm of the params of each group; optional */
     tm_tensor total_grad;  /* [1] p-norm over all grads */
     tm_tensor total_param; /* [1] p-norm over all params; optional */
-    tm_tensor nonfinite;   /* [1] 1.0f when any grad element is NaN or +-Inf, else 0.0f; optional */
+    tm_tensor nonfinite;   /* [1] 1.0f when any grad element is NaN or +-Inf, else 0.0f (float64
+                              grads with p = 1, 2: also when the sum overflows, where torch's
+                              norm is inf too); optional */
     tm_tensor coef;        /* [1] the clip coefficient of total_grad, exactly as tm_clip_coef
                               computes it, written by the same finishing step (one launch fewer
                               on CUDA); optional */
@@ -116,25 +122,28 @@ size_t tm_norms_scratch_bytes(const tm_tensor_list *grads, const tm_tensor_list 
  * \param[in]  grads   tensors to reduce (read only)
  * \param[in]  params  NULL, or a list of the same count and numels as grads (read only)
  * \param[in]  args    norm type and grouping
- * \param[out] out     result tensors (float32)
+ * \param[out] out     result tensors (float32 or float64)
  * \param[in]  exec    stream, threads, scratch */
 tm_status tm_norms(const tm_tensor_list *grads, const tm_tensor_list *params,
                    const tm_norms_args *args, const tm_norms_out *out, const tm_exec *exec);
 
 /* ---------------------------------------------------------------- clipping ---- */
 
-/* coef[0] = min(1, max_norm / (total_norm[0] + 1e-6)) in float32 arithmetic, evaluated as torch's
- * clip_grad_norm_ evaluates it (reciprocal of norm + 1e-6, times max_norm, clamp at 1). A NaN norm
- * gives a NaN coefficient, as in torch.
- * \param[in]  total_norm  float32 [1]
+/* coef[0] = min(1, max_norm / (total_norm[0] + 1e-6)) in the arithmetic of coef's dtype (float32:
+ * the norm rounded to float first; float64: double, torch's arithmetic for a float64 norm),
+ * evaluated as torch's clip_grad_norm_ evaluates it (reciprocal of norm + 1e-6, times max_norm,
+ * clamp at 1). A NaN norm gives a NaN coefficient, as in torch.
+ * \param[in]  total_norm  float32 or float64 [1]
  * \param[in]  max_norm    finite, >= 0
- * \param[out] coef        float32 [1], same device */
+ * \param[out] coef        float32 or float64 [1], same device */
 tm_status tm_clip_coef(const tm_tensor *total_norm, double max_norm, const tm_tensor *coef,
                        const tm_exec *exec);
 
-/* tensors[i] *= scale[0] for every i (math in float32, rounded once to the tensor dtype).
+/* tensors[i] *= scale[0] for every i: a float64 tensor in double, the others by the factor
+ * rounded to float32 (torch casts the clip coefficient to each gradient's dtype) in float32
+ * math, rounded once to the tensor dtype.
  * \param[in,out] tensors  writable tensors
- * \param[in]     scale    float32 [1] on the same device */
+ * \param[in]     scale    float32 or float64 [1] on the same device */
 tm_status tm_scale(const tm_tensor_list *tensors, const tm_tensor *scale, const tm_exec *exec);
 
 /* ---------------------------------------------------------------- AdamW ---- */
@@ -159,7 +168,8 @@ typedef struct {
 
 /* One entry per parameter; every list has params.count tensors of equal numel, except step
  * (numel 1 each) and max_exp_avg_sq (count 0 unless amsgrad). grads, exp_avg, exp_avg_sq and
- * max_exp_avg_sq have the dtype of their param; step is float32. Only grads may be read-only. */
+ * max_exp_avg_sq have the dtype of their param (float64 ones are computed in double); step is
+ * float32. Only grads may be read-only. */
 typedef struct {
     tm_tensor_list params;
     tm_tensor_list grads;
@@ -171,8 +181,10 @@ typedef struct {
 
 /* Per-step inputs read from device memory. */
 typedef struct {
-    tm_tensor lr;         /* float32 [num_groups] learning rate of each group */
-    tm_tensor grad_scale; /* float32 [1] multiplied into each grad as it is loaded; optional */
+    tm_tensor lr;         /* float32 or float64 [num_groups] learning rate of each group (a
+                             float64 one reaches float64 params unrounded, as torch's float) */
+    tm_tensor grad_scale; /* float32 or float64 [1] multiplied into each grad as it is loaded
+                             (rounded to float32 for all but float64 grads); optional */
     tm_tensor skip;       /* float32 [1]; when nonzero the call changes nothing (but zeroes the
                              grads with zero_grads_on_skip); optional */
     tm_tensor loss_scale; /* float32 [1], optional: torch.amp's loss scale, which the grads
@@ -193,7 +205,7 @@ size_t tm_adamw_scratch_bytes(const tm_adamw_tensors *t);
  *   m  = lerp(m, g, 1 - beta1);  v = beta2 * v + (1 - beta2) * g * g
  *   denom = sqrt(amsgrad ? (vmax = max(vmax, v)) : v) / sqrt(1 - beta2^step) + eps
  *   p -= lr / (1 - beta1^step) * m / denom),
- * all element math in float32, bias corrections in double. */
+ * element math in float32 (double for float64 tensors), bias corrections in double. */
 tm_status tm_adamw_step(const tm_adamw_tensors *t, const tm_adamw_args *args,
                         const tm_adamw_inputs *in, const tm_exec *exec);
 

@@ -197,13 +197,17 @@ format_dims(char *buf, size_t cap, const int64_t *v, int32_t n)
     }
 }
 
-/* (2,32) float32, (2,16) float16, (4,16) bfloat16 -> 1; anything else -> 0 (out: float32, for
- * scratch, where only the bytes matter). */
+/* (2,32) float32, (2,16) float16, (4,16) bfloat16, (2,64) float64 -> 1; anything else -> 0 (out:
+ * float32, for scratch, where only the bytes matter). */
 static int
 known_dtype(DLDataType t, tm_dtype *out)
 {
     *out = TM_FLOAT32;
     if (t.code == kDLFloat && t.bits == 32) {
+        return 1;
+    }
+    if (t.code == kDLFloat && t.bits == 64) {
+        *out = TM_FLOAT64;
         return 1;
     }
     if (t.code == kDLFloat && t.bits == 16) {
@@ -250,7 +254,7 @@ py_check_dltensor(const DLTensor *dl, uint64_t flags, py_label lbl, unsigned opt
     }
     if (!known_dtype(t, &out->dtype) && !(opts & PY_IMPORT_ANY_DTYPE)) {
         return py_fail(PyExc_BufferError, lbl,
-                       "dtype %s is not supported (float32, float16, bfloat16)",
+                       "dtype %s is not supported (float32, float16, bfloat16, float64)",
                        dtype_name(t, a, sizeof a));
     }
     if (dl->ndim < 0 || (dl->ndim > 0 && dl->shape == NULL)) {
