@@ -177,6 +177,16 @@ def scenario_tensor_parallel(rank):
         out[f"{name}_bf16_dtypes"] = (titanmac_c.get_total_norm(bf16).dtype,
                                       titanmac_c.clip_grad_norm_(params, 1.0).dtype,
                                       torch.nn.utils.get_total_norm(bf16).dtype)
+        # float64: the norm over the ranks and the clip in double, against torch's
+        f64 = {}
+        for impl, clip in (("ours", titanmac_c.clip_grad_norm_),
+                           ("torch", torch.nn.utils.clip_grad_norm_)):
+            params = [torch.nn.Parameter(torch.zeros_like(g, dtype=torch.float64)) for g in grads]
+            for p, g in zip(params, grads):
+                p.grad = g.to(torch.float64) * 3.0
+            norm = clip(params, 1.0)
+            f64[impl] = (norm.dtype, float(_full(norm)), [_full(p.grad) for p in params])
+        out[f"{name}_float64_clip"] = f64
         for impl in ("ours", "torch"):
             params = [torch.nn.Parameter(t) for t in _tp_tensors(mesh, placements, 2)]
             opt = (titanmac_c.AdamW if impl == "ours" else torch.optim.AdamW)(
@@ -606,6 +616,12 @@ def test_norms_of_dtensors_sharded_and_replicated(ranks, mesh, norm_type):
         assert placements == ("Replicate()",) * (2 if mesh == "2d" else 1)
         assert set(their_placements) <= {"Replicate()", "Partial(max)"}
         assert res[f"{mesh}_bf16_dtypes"] == (torch.bfloat16,) * 3
+        ours, theirs = (res[f"{mesh}_float64_clip"][impl] for impl in ("ours", "torch"))
+        assert ours[0] == theirs[0] == torch.float64
+        assert ours[1] == pytest.approx(theirs[1], rel=1e-13, abs=0) and ours[1] > 1.0
+        for a, b in zip(ours[2], theirs[2]):
+            assert a.dtype == torch.float64
+            torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-16)
 
 
 @pytest.mark.parametrize("mesh", ["1d", "2d", "strided"])
