@@ -14,8 +14,9 @@ For each shape set it times
     AdamW);
 and reports the median time, the ratio to torch, and the effective bandwidth against the bytes
 each step must move (fp32 AdamW 28 B/element, clip + AdamW 32, stats + clip + AdamW 36, amp +
-AdamW 40: GradScaler's inf check reads and writes the gradients, the update stores them) as a
-fraction of a device copy (8 B/element) measured in the same run. On CUDA it also reports host
+AdamW 40: GradScaler's inf check reads and writes the gradients, the update stores them; twice
+that with --dtype float64) as a fraction of a device copy (8 B/element, 16 in float64) measured
+in the same run. On CUDA it also reports host
 time per step (enqueueing, no sync) and kernel launches per step (torch.profiler).
 
 Shape sets: CPU 1M / 10M / 50M parameters in 50 / 200 / 500 tensors; CUDA the TitanMAC config
@@ -23,6 +24,7 @@ Shape sets: CPU 1M / 10M / 50M parameters in 50 / 200 / 500 tensors; CUDA the Ti
 1000t (10M in 1,000 tensors, for the host time per tensor).
 
 Usage: python benchmarks/bench_step.py [--device cpu|cuda] [--sizes ...] [--reps N]
+                                       [--dtype float32|float64]
                                        [--out benchmarks/out/bench_step_cpu.json]
 """
 
@@ -101,8 +103,9 @@ class Timer:
         return time.perf_counter() - t0
 
 
-def make_params(sizes, device):
-    params = [torch.nn.Parameter(torch.randn(n, device=device) * 0.1) for n in sizes]
+def make_params(sizes, device, dtype):
+    params = [torch.nn.Parameter(torch.randn(n, device=device, dtype=dtype) * 0.1)
+              for n in sizes]
     for p in params:
         p.grad = torch.randn_like(p) * 0.01
     return params
@@ -170,13 +173,14 @@ def step_fn(kind, params, opt, what):
     return run
 
 
-def copy_bandwidth(numel, device, timer, reps):
-    src = torch.randn(numel, device=device)
+def copy_bandwidth(numel, device, timer, reps, dtype):
+    src = torch.randn(numel, device=device, dtype=dtype)
     dst = torch.empty_like(src)
     times = [timer(lambda: dst.copy_(src)) for _ in range(reps + 1)][1:]
-    return 8 * numel / statistics.median(times) / 1e9
+    return 2 * src.element_size() * numel / statistics.median(times) / 1e9
 
 
+# in float32; scaled by the element size for other dtypes
 BYTES_PER_ELEMENT = {"adamw": 28, "clip+adamw": 32, "stats+clip+adamw": 36, "amp+adamw": 40}
 
 
@@ -220,7 +224,7 @@ def host_time_and_launches(fn, device, reps=21):
     return host, launches
 
 
-def shared_params(total, n_variants, device):
+def shared_params(total, n_variants, device, dtype):
     """Whether the variants of a shape set share one set of params and grads (each keeps its own
     state): only where separate ones would not fit in half the GPU's free memory (a 1B model
     seven times over does not fit in 80 GB). Otherwise each variant gets its own, so that none
@@ -228,17 +232,19 @@ def shared_params(total, n_variants, device):
     if device.type != "cuda":
         return False
     free, _ = torch.cuda.mem_get_info(device)
-    return 16 * total * n_variants > free // 2  # params + grads + exp_avg + exp_avg_sq, fp32
+    # params + grads + exp_avg + exp_avg_sq
+    return 4 * dtype.itemsize * total * n_variants > free // 2
 
 
-def bench_shape(name, device, reps, timer):
+def bench_shape(name, device, reps, timer, dtype):
     sizes = named_sizes(name)
     total, count = sum(sizes), len(sizes)
     cases = {}
     variants = variants_for(device)
-    shared = make_params(sizes, device) if shared_params(total, len(variants), device) else None
+    shared = (make_params(sizes, device, dtype)
+              if shared_params(total, len(variants), device, dtype) else None)
     for what, kind in variants:
-        params, opt = make_case(shared or make_params(sizes, device), kind)
+        params, opt = make_case(shared or make_params(sizes, device, dtype), kind)
         fn = step_fn(kind, params, opt, what)
         fn()  # warm-up: creates state
         cases[(what, kind)] = fn
@@ -247,14 +253,15 @@ def bench_shape(name, device, reps, timer):
         for key, fn in cases.items():
             times[key].append(timer(fn))
     extra = {key: host_time_and_launches(fn, device) for key, fn in cases.items()}
-    copy_gbs = copy_bandwidth(total, device, timer, reps)
+    copy_gbs = copy_bandwidth(total, device, timer, reps, dtype)
     rows = []
     for (what, kind), ts in times.items():
         med = statistics.median(ts)
         base = statistics.median(times[(what, "torch_fused")])
-        gbs = BYTES_PER_ELEMENT[what] * total / med / 1e9
+        gbs = BYTES_PER_ELEMENT[what] * dtype.itemsize // 4 * total / med / 1e9
         host, launches = extra[(what, kind)]
-        rows.append(dict(shape=name, params=total, tensors=count, op=what, impl=kind,
+        rows.append(dict(shape=name, params=total, tensors=count, dtype=str(dtype), op=what,
+                         impl=kind,
                          median_ms=med * 1e3, p90_ms=sorted(ts)[int(0.9 * (len(ts) - 1))] * 1e3,
                          ratio_vs_torch_fused=med / base, gbs=gbs, frac_of_copy=gbs / copy_gbs,
                          copy_gbs=copy_gbs, host_us=None if host is None else host * 1e6,
@@ -278,7 +285,7 @@ def print_table(rows):
               f"{r['frac_of_copy']:>7.2f} {host:>8} {launches:>8}")
     copies = {r["shape"]: r["copy_gbs"] for r in rows}
     listed = ", ".join(f"{shape}: {gbs:.1f} GB/s" for shape, gbs in copies.items())
-    print(f"copy bandwidth (8 B/element) measured in the same run: {listed}")
+    print(f"copy bandwidth measured in the same run: {listed}")
 
 
 def main(argv=None):
@@ -288,19 +295,24 @@ def main(argv=None):
                         help="shape sets: 1M,10M,50M (CPU default), titanmac,gpt2,1b,1000t "
                              "(CUDA default)")
     parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     parser.add_argument("--out", default=None,
-                        help="JSON results (default benchmarks/out/bench_step_<device>.json)")
+                        help="JSON results (default benchmarks/out/bench_step_<device>.json, "
+                             "bench_step_<device>_float64.json with --dtype float64)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    args.out = args.out or os.path.join(OUT_DIR, f"bench_step_{device.type}.json")
+    dtype = getattr(torch, args.dtype)
+    suffix = "" if dtype == torch.float32 else f"_{args.dtype}"
+    args.out = args.out or os.path.join(OUT_DIR, f"bench_step_{device.type}{suffix}.json")
     timer = Timer(device)
     rows = []
     sizes = args.sizes or ("titanmac,gpt2,1b,1000t" if device.type == "cuda" else "1M,10M,50M")
     for name in sizes.split(","):
         print(f"[bench_step] {name} ...", file=sys.stderr, flush=True)
-        rows.extend(bench_shape(name, device, args.reps, timer))
+        rows.extend(bench_shape(name, device, args.reps, timer, dtype))
     print_table(rows)
-    meta = dict(device=str(device), torch=torch.__version__, titanmac_c=titanmac_c.__version__,
+    meta = dict(device=str(device), dtype=args.dtype, torch=torch.__version__,
+                titanmac_c=titanmac_c.__version__,
                 cpu_isa=titanmac_c.cpu_isa(), threads=torch.get_num_threads(),
                 machine=platform.processor() or platform.machine(),
                 date=time.strftime("%Y-%m-%d"))

@@ -9,13 +9,14 @@
 #        ~30 s, tests ~155 s, memcheck and racecheck ~5 and ~20 s a test), three calls:
 #          OUT=$OUT PACK=1 STEPS="build tests train_cms" bash benchmarks/gpu_check.sh
 #          OUT=$OUT PACK=1 STEPS="build racecheck memcheck" SAN_TIMEOUT=270 bash ...
-#          OUT=$OUT PACK=1 STEPS="build bench host train phase1 train_legacy profile dist" bash ...
+#          OUT=$OUT PACK=1 STEPS="build bench bench64 host train phase1 train_legacy profile dist" \
+#            bash ...
 #        (the suite has grown since those timings: the tests alone may take most of a call)
 # Env:   TITANMAC_CUDA_ARCHS  defaults to the compute capability of GPU 0 (fast build)
 #        OUT                  folder for logs and JSON (default benchmarks/out)
 #        STEPS                which checks to run, always in the script's order (default:
-#                             all: "build tests racecheck memcheck bench host train train_cms
-#                             phase1 train_legacy profile dist")
+#                             all: "build tests racecheck memcheck bench bench64 host train
+#                             train_cms phase1 train_legacy profile dist")
 #        PACK=1               at the end, pack every file in OUT but summary.txt into
 #                             OUT/gpu_check.tar.gz (a lent machine returns only a few files)
 #        SAN_K, RACE_K        pytest -k selections of memcheck and racecheck (defaults below)
@@ -27,8 +28,8 @@ OUT=${OUT:-benchmarks/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 declare -A RESULT
-ALL_STEPS="build tests racecheck memcheck bench host train train_cms phase1 train_legacy profile \
-dist"
+ALL_STEPS="build tests racecheck memcheck bench bench64 host train train_cms phase1 train_legacy \
+profile dist"
 STEPS=${STEPS:-$ALL_STEPS}
 
 step() {  # step NAME COMMAND...: run, log to $OUT/NAME.log, remember pass/fail
@@ -73,6 +74,8 @@ step racecheck "${SAN_LIMIT[@]}" "$SAN" --tool racecheck --error-exitcode 1 \
 step memcheck env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "${SAN_LIMIT[@]}" "$SAN" --tool memcheck \
     --error-exitcode 1 python3 -P -m pytest -q -x -k "($SAN_K) and not graph" tests
 step bench python3 benchmarks/bench_step.py --device cuda --out "$OUT/bench_step_cuda.json"
+step bench64 python3 benchmarks/bench_step.py --device cuda --dtype float64 --sizes titanmac,gpt2 \
+    --out "$OUT/bench_step_cuda_float64.json"
 step host python3 benchmarks/bench_host.py --device cuda
 step train python3 benchmarks/bench_train.py --device cuda --steps 100 \
     --out "$OUT/bench_train_cuda.json"

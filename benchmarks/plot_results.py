@@ -58,7 +58,8 @@ def _kind(data):
     if "sizes" in data:
         return "profile_step"
     if rows and "op" in rows[0]:
-        return "bench_step"
+        # the plots are of float32 steps; a float64 run (bench_step.py --dtype float64) is not
+        return "bench_step" if data.get("meta", {}).get("dtype", "float32") == "float32" else None
     if rows and "steps_per_s" in rows[0]:
         return "bench_train"
     return None
