@@ -204,6 +204,17 @@ def check_supported_dtype(name: str, tensor: torch.Tensor) -> None:
         )
 
 
+# complex parameters step as their real views (torch's AdamW does the same: view_as_real of the
+# parameter, gradient and state, then the real math on both parts)
+COMPLEX_DTYPES = (torch.complex64, torch.complex128)
+
+
+def real_view(t):
+    """A complex64/complex128 tensor as the float32/float64 tensor of its real and imaginary
+    parts (the same memory, a last dimension of 2); any other tensor as it is."""
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
 def compute_dtype(dtype):
     """The dtype of the norms, clip coefficients and learning rates the C core computes for tensors
     of (promoted) dtype `dtype`: float64 for float64, as torch computes those, else float32."""
@@ -211,4 +222,5 @@ def compute_dtype(dtype):
 
 
 __all__ = ["exec_kwargs", "mark_written", "norms_scratch", "Scratch", "reraise_with_names",
-           "as_number", "is_one_number", "float_in_range", "compute_dtype", "_C"]
+           "as_number", "is_one_number", "float_in_range", "compute_dtype", "real_view",
+           "COMPLEX_DTYPES", "_C"]

@@ -196,7 +196,7 @@ def _check_grouped(groups, group_names, device):
             if p.dtype not in _DNO_DTYPES:
                 raise BufferError(f"parameter {name!r}: dtype {p.dtype} is not supported (float32, "
                                   "bfloat16, float16; e.g. model.float()); titanmac_c.AdamW "
-                                  "also steps float64 models")
+                                  "also steps float64 and complex models")
             if p.device != device:
                 raise ValueError(f"parameter {name!r}: on {p.device}, the first parameter on "
                                  f"{device}: the optimizer needs one device")

@@ -3,6 +3,8 @@ statistics, each a constant number of calls into the C core per device.
 
 Differences from torch (also listed in the README):
 - norm types: p > 0 and inf. torch also accepts 0, -inf and negative p; we raise ValueError.
+- complex tensors: the 2-norm only (that of their real view, which is theirs); other p raise
+  ValueError, where torch takes |z| element by element.
 - the norm is reduced in double and returned in the promoted dtype of the tensors (as torch
   returns it); for bf16/fp16 gradients torch sums in that dtype, so ours is the more accurate one.
 - clip_grad_norm_ computes the clip coefficient from the float32 norm (the float64 norm, in
@@ -27,6 +29,7 @@ from ._distributed import ShardedNorms, any_dtensor, local_of
 from ._runtime import (
     as_number,
     call_dense,
+    real_view,
     compute_dtype,
     exec_kwargs,
     is_expanded,
@@ -165,6 +168,24 @@ def _refuse_expanded(positions, grads):
                                "place, as with torch") from None
 
 
+def _real_views(label, tensors, norm_type):
+    """tensors with complex ones as their real views (the rest as given): the 2-norm of a
+    complex tensor is that of its real and imaginary parts, and scaling them scales it. Other
+    norms are refused by name (torch's take |z| element by element)."""
+    complex_at = [i for i, t in enumerate(tensors)
+                  if isinstance(t, torch.Tensor) and t.is_complex()]
+    if not complex_at:
+        return tensors
+    if norm_type != 2.0:
+        i = complex_at[0]
+        raise ValueError(f"{label}[{i}]: complex ({tensors[i].dtype}); titanmac_c takes complex "
+                         f"tensors for the 2-norm only, not norm_type = {norm_type}")
+    tensors = list(tensors)
+    for i in complex_at:
+        tensors[i] = real_view(tensors[i])
+    return tensors
+
+
 def _result_dtype(tensors):
     dtype = tensors[0].dtype
     for t in tensors[1:]:
@@ -195,6 +216,26 @@ def get_total_norm(tensors, norm_type=2.0, error_if_nonfinite=False, foreach=Non
     norm_type = _check_norm_type(norm_type)
     if len(tensors) == 0:
         return torch.tensor(0.0)
+    return _with_real_views("tensors", tensors, norm_type,
+                            lambda ts: _total_norm(ts, norm_type, error_if_nonfinite))
+
+
+def _with_real_views(label, tensors, norm_type, run):
+    """run(tensors), or when the C core refused a tensor and some are complex, run(tensors with
+    the complex ones as their real views) (_real_views): found on the error path, so that a call
+    without complex tensors pays nothing for them. A refusal comes from a norm pass, before
+    anything is written."""
+    try:
+        return run(tensors)
+    except BufferError as exc:
+        refused = exc
+    real = _real_views(label, tensors, norm_type)
+    if real is tensors:
+        raise refused
+    return run(real)
+
+
+def _total_norm(tensors, norm_type, error_if_nonfinite):
     sharded = _sharded("tensors", tensors)
     if sharded is not None:
         total = sharded.total(_local_norm("tensors", norm_type), norm_type)
@@ -227,12 +268,17 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
             # torch's warning: most often a model.parameters() generator already used up
             warnings.warn("`parameters` is an empty generator, no gradient clipping will occur.",
                           stacklevel=2)
-    all_grads = [p.grad for p in params]
-    grads = [g for g in all_grads if g is not None]
     max_norm = _check_max_norm(max_norm)
     norm_type = _check_norm_type(norm_type)
-    if len(grads) == 0:
+    all_grads = [p.grad for p in params]
+    if all(g is None for g in all_grads):
         return torch.tensor(0.0)
+    return _with_real_views("parameters", all_grads, norm_type, lambda gs: _clip(
+        gs, max_norm, norm_type, error_if_nonfinite))
+
+
+def _clip(all_grads, max_norm, norm_type, error_if_nonfinite):
+    grads = [g for g in all_grads if g is not None]
     sharded = _sharded("parameters", all_grads)
     if sharded is not None:
         return _clip_sharded(sharded, max_norm, norm_type, error_if_nonfinite,

@@ -27,6 +27,7 @@ from ._distributed import (
 )
 from ._flat import Batch, GradientMark, Plan, in_layout_of
 from ._runtime import (
+    COMPLEX_DTYPES,
     Scratch,
     call_dense,
     check_supported_dtype,
@@ -35,6 +36,7 @@ from ._runtime import (
     float_in_range,
     is_one_number,
     mark_written,
+    real_view,
     norms_scratch,
     reraise_with_names,
 )
@@ -326,7 +328,7 @@ class AdamW(Optimizer):
         drops it, as torch's clipped gradients would be gone; load_state_dict() keeps it.
         """
         from .functional import (_check_max_norm, _check_norm_type, _local_norm,
-                                 _raise_if_nonfinite, _result_dtype, _sharded)
+                                 _raise_if_nonfinite, _real_views, _result_dtype, _sharded)
 
         max_norm = _check_max_norm(max_norm)
         norm_type = _check_norm_type(norm_type)
@@ -337,6 +339,8 @@ class AdamW(Optimizer):
         if grads is None:
             grads = [g for g in (p.grad for group in self.param_groups for p in group["params"])
                      if g is not None]
+            # complex gradients as their real views (a plan holds none: no cost to its step)
+            grads = _real_views("grads", grads, norm_type)
             if not grads:
                 self._clip_coef = {}
                 return torch.tensor(0.0)
@@ -530,7 +534,8 @@ class AdamW(Optimizer):
                 name = f"param_groups[{gi}]['params'][{pi}]"
                 if grad.is_sparse:
                     raise RuntimeError(f"{name}: AdamW does not support sparse gradients")
-                check_supported_dtype(name, p)  # also with state loaded from elsewhere
+                if p.dtype not in COMPLEX_DTYPES:
+                    check_supported_dtype(name, p)  # also with state loaded from elsewhere
                 state = self.state.get(p)
                 if not state:
                     state = new_state.get(p)
@@ -557,6 +562,14 @@ class AdamW(Optimizer):
                         if k in state:
                             state[k] = in_layout_of(state[k], p)
                     grad, tensors = batch.laid_out_grad(name, grad, p), state
+                if p.is_complex():
+                    # as torch's AdamW: the real views of parameter, gradient and state (kept
+                    # complex, as torch's) stepped by the real math. A Plan re-reads p.grad of
+                    # the parameters it holds, so such a batch gets none.
+                    batch.no_plan = True
+                    p, grad = real_view(p), real_view(grad)
+                    tensors = {k: real_view(v) if isinstance(v, Tensor) else v
+                               for k, v in tensors.items() if k in _STATE_KEYS}
                 if p.dtype == torch.float64:
                     batch.lr_dtype = torch.float64
                 batch.group_of.append(gi)

@@ -1,0 +1,153 @@
+"""Complex parameters (complex64, complex128): AdamW steps them as torch does, through the real
+views of parameter, gradient and state, element by element against torch over 20 steps; the
+2-norm clip of complex gradients; checkpoints both ways; what is refused, by name."""
+
+import copy
+
+import pytest
+import torch
+
+import titanmac_c
+from conftest import DEVICES, tol
+
+STEPS = 20
+REAL_OF = {torch.complex64: torch.float32, torch.complex128: torch.float64}
+
+
+def complex_params(device, dtype, sizes=(3, 255, 4097)):
+    params = [torch.nn.Parameter(torch.randn(n, dtype=dtype, device=device)) for n in sizes]
+    # a complex matrix and a real parameter beside them, as a model mixing both has
+    return params + [torch.nn.Parameter(torch.randn(16, 8, dtype=dtype, device=device)),
+                     torch.nn.Parameter(torch.randn(65, device=device))]
+
+
+def twins(params):
+    return [torch.nn.Parameter(p.detach().clone()) for p in params]
+
+
+def give_grads(params_a, params_b, step, scale=1.0):
+    gen = torch.Generator().manual_seed(3000 + step)
+    for a, b in zip(params_a, params_b):
+        g = torch.randn(a.shape, generator=gen, dtype=a.dtype) * scale
+        a.grad = g.to(a.device, copy=True)
+        b.grad = g.to(b.device, copy=True)
+
+
+def assert_same_run(ours, theirs, params_a, params_b, device):
+    for pa, pb in zip(params_a, params_b):
+        t = tol(REAL_OF.get(pa.dtype, pa.dtype), device)
+        torch.testing.assert_close(pa.detach(), pb.detach(), **t)
+        sa, sb = ours.state[pa], theirs.state[pb]
+        assert sa.keys() == sb.keys()
+        for key in sa:
+            if key == "step":
+                assert float(sa[key]) == float(sb[key])
+            else:
+                assert sa[key].dtype == pa.dtype  # complex state, as torch's
+                torch.testing.assert_close(sa[key], sb[key], **t)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128])
+@pytest.mark.parametrize("amsgrad, maximize", [(False, False), (True, True)])
+def test_adamw_matches_torch(device, dtype, amsgrad, maximize):
+    params_a = complex_params(device, dtype)
+    params_b = twins(params_a)
+    kw = dict(lr=3e-3, weight_decay=0.05, amsgrad=amsgrad, maximize=maximize)
+    ours = titanmac_c.AdamW([{"params": params_a[:2]}, {"params": params_a[2:], "lr": 1e-2}],
+                            **kw)
+    theirs = torch.optim.AdamW([{"params": params_b[:2]}, {"params": params_b[2:], "lr": 1e-2}],
+                               foreach=False, **kw)
+    for step in range(STEPS):
+        give_grads(params_a, params_b, step)
+        ours.step()
+        theirs.step()
+    assert_same_run(ours, theirs, params_a, params_b, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_folded_clip_and_step_match_torch(device):
+    """AdamW.clip_grad_norm_ over complex and real gradients: the 2-norm of them all (a complex
+    gradient's is that of its real and imaginary parts), folded into the step."""
+    params_a = complex_params(device, torch.complex64)
+    params_b = twins(params_a)
+    ours = titanmac_c.AdamW(params_a, lr=1e-2)
+    theirs = torch.optim.AdamW(params_b, lr=1e-2, foreach=False)
+    for step in range(STEPS):
+        give_grads(params_a, params_b, step)
+        n_ours = ours.clip_grad_norm_(1.0)
+        n_theirs = torch.nn.utils.clip_grad_norm_(params_b, 1.0)
+        assert n_ours.dtype == n_theirs.dtype == torch.float32
+        torch.testing.assert_close(n_ours, n_theirs, rtol=1e-6, atol=0)
+        assert float(n_ours) > 1.0  # the clip acts
+        ours.step()
+        theirs.step()
+    assert_same_run(ours, theirs, params_a, params_b, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128])
+def test_clip_grad_norm_and_get_total_norm(device, dtype):
+    params_a = complex_params(device, dtype)
+    params_b = twins(params_a)
+    give_grads(params_a, params_b, 0)
+    grads = [p.grad.clone() for p in params_a]
+    n_ours = titanmac_c.get_total_norm(grads)
+    torch.testing.assert_close(n_ours, torch.nn.utils.get_total_norm(grads), rtol=1e-6, atol=0)
+    assert n_ours.dtype == REAL_OF[dtype]  # the promoted real dtype, as torch's
+    n_ours = titanmac_c.clip_grad_norm_(params_a, 0.5)
+    n_theirs = torch.nn.utils.clip_grad_norm_(params_b, 0.5)
+    torch.testing.assert_close(n_ours, n_theirs, rtol=1e-6, atol=0)
+    for a, b in zip(params_a, params_b):
+        assert a.grad.dtype == b.grad.dtype
+        # torch takes the float32 parameter's norm in float32, so its coefficient, and every
+        # gradient scaled by it, is float32-exact only
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-7)
+
+
+def test_other_norms_of_complex_tensors_are_refused_by_name():
+    """torch's 1-norm and inf-norm of a complex tensor take |z| per element, which is not a norm
+    of the real view: refused, nothing scaled."""
+    params = complex_params("cpu", torch.complex64)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    with pytest.raises(ValueError, match=r"^parameters\[0\]: complex \(torch.complex64\); "
+                                         r"titanmac_c takes complex tensors for the 2-norm only, "
+                                         r"not norm_type = 1.0$"):
+        titanmac_c.clip_grad_norm_(params, 0.5, norm_type=1)
+    assert all(torch.equal(p.grad, torch.ones_like(p)) for p in params)
+    with pytest.raises(ValueError, match=r"^tensors\[1\]: complex"):
+        titanmac_c.get_total_norm([torch.ones(3), torch.ones(3, dtype=torch.complex64)],
+                                  float("inf"))
+    opt = titanmac_c.AdamW(params)
+    with pytest.raises(ValueError, match=r"^grads\[0\]: complex"):
+        opt.clip_grad_norm_(0.5, norm_type=3)
+
+
+def test_checkpoints_between_torch_and_ours():
+    """torch.optim.AdamW's checkpoint of complex parameters loads into ours and the runs go on
+    together; ours (complex state) loads into torch the same way."""
+    params_a = complex_params("cpu", torch.complex128)
+    params_b = twins(params_a)
+    first = titanmac_c.AdamW(params_a, lr=1e-2, amsgrad=True)
+    theirs = torch.optim.AdamW(params_b, lr=1e-2, amsgrad=True, foreach=False)
+    for step in range(3):
+        give_grads(params_a, params_b, step)
+        first.step()
+        theirs.step()
+    ours = titanmac_c.AdamW(params_a, lr=1e-2, amsgrad=True)
+    ours.load_state_dict(copy.deepcopy(theirs.state_dict()))
+    back = torch.optim.AdamW(params_b, lr=1e-2, amsgrad=True, foreach=False)
+    back.load_state_dict(copy.deepcopy(first.state_dict()))
+    for step in range(3, 10):
+        give_grads(params_a, params_b, step)
+        ours.step()
+        back.step()
+    assert_same_run(ours, back, params_a, params_b, "cpu")
+
+
+def test_deep_nested_optimizer_refuses_complex():
+    model = torch.nn.Linear(4, 3).to(torch.complex64)
+    with pytest.raises(BufferError, match=r"parameter 'weight': dtype torch.complex64 is not "
+                                          r"supported .*float64 and complex models"):
+        titanmac_c.DeepNestedOptimizer(model)
