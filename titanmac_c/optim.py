@@ -28,6 +28,7 @@ from ._distributed import (
 from ._flat import Batch, GradientMark, Plan, in_layout_of
 from ._runtime import (
     COMPLEX_DTYPES,
+    SUPPORTED_DTYPES,
     Scratch,
     call_dense,
     check_supported_dtype,
@@ -534,8 +535,9 @@ class AdamW(Optimizer):
                 name = f"param_groups[{gi}]['params'][{pi}]"
                 if grad.is_sparse:
                     raise RuntimeError(f"{name}: AdamW does not support sparse gradients")
-                if p.dtype not in COMPLEX_DTYPES:
-                    check_supported_dtype(name, p)  # also with state loaded from elsewhere
+                dtype = p.dtype
+                if dtype not in SUPPORTED_DTYPES and dtype not in COMPLEX_DTYPES:
+                    check_supported_dtype(name, p)  # raises; also for state loaded elsewhere
                 state = self.state.get(p)
                 if not state:
                     state = new_state.get(p)
@@ -562,7 +564,7 @@ class AdamW(Optimizer):
                         if k in state:
                             state[k] = in_layout_of(state[k], p)
                     grad, tensors = batch.laid_out_grad(name, grad, p), state
-                if p.is_complex():
+                if dtype in COMPLEX_DTYPES:
                     # as torch's AdamW: the real views of parameter, gradient and state (kept
                     # complex, as torch's) stepped by the real math. A Plan re-reads p.grad of
                     # the parameters it holds, so such a batch gets none.
@@ -570,7 +572,8 @@ class AdamW(Optimizer):
                     p, grad = real_view(p), real_view(grad)
                     tensors = {k: real_view(v) if isinstance(v, Tensor) else v
                                for k, v in tensors.items() if k in _STATE_KEYS}
-                if p.dtype == torch.float64:
+                    dtype = p.dtype
+                if dtype is torch.float64:
                     batch.lr_dtype = torch.float64
                 batch.group_of.append(gi)
                 batch.params.append(p)
