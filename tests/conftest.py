@@ -82,6 +82,27 @@ def tol(dtype, device):
     return (TOL_CUDA if torch.device(device).type == "cuda" else TOL)[dtype]
 
 
+# complex parameters step as their real views: compared at the tolerance of those
+REAL_OF = {torch.complex64: torch.float32, torch.complex128: torch.float64}
+
+
+def assert_adamw_runs_agree(ours, theirs, params_a, params_b, tolerance=None):
+    """The parameters and every state entry of two AdamW runs (ours against torch's) element by
+    element, the steps exactly; state in its parameter's dtype, as torch's. tolerance: the same
+    for all, or None: tol() of each parameter's (real) dtype on its device."""
+    for pa, pb in zip(params_a, params_b):
+        t = tolerance or tol(REAL_OF.get(pa.dtype, pa.dtype), pa.device)
+        torch.testing.assert_close(pa.detach(), pb.detach(), **t)
+        sa, sb = ours.state[pa], theirs.state[pb]
+        assert sa.keys() == sb.keys()
+        for key in sa:
+            if key == "step":
+                assert float(sa[key]) == float(sb[key])
+            else:
+                assert sa[key].dtype == sb[key].dtype == pa.dtype
+                torch.testing.assert_close(sa[key], sb[key], **t)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import titanmac_c
-from conftest import DEVICES, SIZES, clone_params, make_params, set_grads, tol
+from conftest import (DEVICES, SIZES, assert_adamw_runs_agree, clone_params, make_params,
+                      set_grads, tol)
 
 STEPS = 20
 
@@ -33,18 +34,6 @@ def run_pair(ours, theirs, params_a, params_b, steps=STEPS, grad_scale=1.0, sche
                 s.step()
 
 
-def assert_state_close(ours, theirs, params_a, params_b, tol):
-    for pa, pb in zip(params_a, params_b):
-        torch.testing.assert_close(pa.detach().cpu(), pb.detach().cpu(), **tol)
-        sa, sb = ours.state[pa], theirs.state[pb]
-        assert sa.keys() == sb.keys()
-        for key in sa:
-            if key == "step":
-                assert float(sa[key]) == float(sb[key])
-            else:
-                torch.testing.assert_close(sa[key].cpu(), sb[key].cpu(), **tol)
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("amsgrad", [False, True])
 @pytest.mark.parametrize("maximize", [False, True])
@@ -57,7 +46,7 @@ def test_parity_fp32_groups(device, amsgrad, maximize):
     ours = titanmac_c.AdamW(groups_of(params_a, lrs, wds, betas), **kw)
     theirs = torch.optim.AdamW(groups_of(params_b, lrs, wds, betas), **kw)
     run_pair(ours, theirs, params_a, params_b)
-    assert_state_close(ours, theirs, params_a, params_b, tol(torch.float32, device))
+    assert_adamw_runs_agree(ours, theirs, params_a, params_b, tol(torch.float32, device))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -69,7 +58,7 @@ def test_parity_tensor_lr_and_scheduler(device):
     theirs = torch.optim.AdamW(params_b, lr=lr.clone(), weight_decay=0.05)
     scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=5, gamma=0.5) for o in (ours, theirs)]
     run_pair(ours, theirs, params_a, params_b, steps=25, sched=scheds)
-    assert_state_close(ours, theirs, params_a, params_b, tol(torch.float32, device))
+    assert_adamw_runs_agree(ours, theirs, params_a, params_b, tol(torch.float32, device))
     assert float(ours.param_groups[0]["lr"]) == pytest.approx(2e-3 * 0.5 ** 5)
 
 
@@ -93,7 +82,7 @@ def test_tensor_betas_stay_tensors_and_a_schedule_changing_them_in_place_acts(de
         for group in (ours.param_groups[0], theirs.param_groups[0]):
             group["betas"][0].mul_(0.5)  # in place: the group keeps the same tensor
             group["betas"][1].sub_(0.01)
-    assert_state_close(ours, theirs, params_a, params_b, tol(torch.float32, device))
+    assert_adamw_runs_agree(ours, theirs, params_a, params_b, tol(torch.float32, device))
 
 
 def test_tensor_betas_on_the_cpu_changed_without_a_version_bump_act():
@@ -111,7 +100,7 @@ def test_tensor_betas_on_the_cpu_changed_without_a_version_bump_act():
             beta1, beta2 = opt.param_groups[0]["betas"]
             beta1.data.fill_(0.3 * (step % 2))
             beta2.numpy()[...] = 0.99 - 0.01 * step
-    assert_state_close(*opts, params_a, params_b, tol(torch.float32, "cpu"))
+    assert_adamw_runs_agree(*opts, params_a, params_b, tol(torch.float32, "cpu"))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -136,7 +125,7 @@ def test_a_schedule_installing_new_tensor_betas_keeps_no_old_one_alive(device):
         theirs.step()
     gc.collect()
     assert sum(r() is not None for r in old) == 2  # the two the group holds now
-    assert_state_close(ours, theirs, params_a, params_b, tol(torch.float32, device))
+    assert_adamw_runs_agree(ours, theirs, params_a, params_b, tol(torch.float32, device))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -147,7 +136,7 @@ def test_parity_float_lr_cosine_schedule(device):
     theirs = torch.optim.AdamW(params_b, lr=1e-2)
     scheds = [torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=20) for o in (ours, theirs)]
     run_pair(ours, theirs, params_a, params_b, steps=22, sched=scheds)
-    assert_state_close(ours, theirs, params_a, params_b, tol(torch.float32, device))
+    assert_adamw_runs_agree(ours, theirs, params_a, params_b, tol(torch.float32, device))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -162,7 +151,7 @@ def test_parity_low_precision(device, dtype, amsgrad):
     ours = titanmac_c.AdamW(params_a, **kw)
     theirs = torch.optim.AdamW(params_b, fused=True, **kw)
     run_pair(ours, theirs, params_a, params_b)
-    assert_state_close(ours, theirs, params_a, params_b, tol(dtype, device))
+    assert_adamw_runs_agree(ours, theirs, params_a, params_b, tol(dtype, device))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -192,7 +181,7 @@ def test_what_torch_accepts_zero_size_no_grad_empty_group(device):
         set_grads(params_a, params_b, step)  # extra_* never gets a gradient
         ours.step()
         theirs.step()
-    assert_state_close(ours, theirs, params_a, params_b, tol(torch.float32, device))
+    assert_adamw_runs_agree(ours, theirs, params_a, params_b, tol(torch.float32, device))
     assert extra_a not in ours.state and extra_b not in theirs.state
     assert torch.equal(extra_a, extra_b)
 
@@ -211,7 +200,7 @@ def test_some_grads_none_some_steps(device):
             params_b[1].grad = None
         ours.step()
         theirs.step()
-    assert_state_close(ours, theirs, params_a, params_b, tol(torch.float32, device))
+    assert_adamw_runs_agree(ours, theirs, params_a, params_b, tol(torch.float32, device))
 
 
 def test_closure_returns_loss():
@@ -308,7 +297,7 @@ def test_steps_follow_changes_to_groups_and_state(device):
     torch.nn.utils.clip_grad_norm_(params_b, 1.0)
     ours.step()
     theirs.step()
-    assert_state_close(ours, theirs, params_a, params_b, tol(torch.float32, device))
+    assert_adamw_runs_agree(ours, theirs, params_a, params_b, tol(torch.float32, device))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -330,7 +319,7 @@ def test_state_edits_between_planned_steps_take_effect_like_torch(device):
     edit(ours, params_a, 0.5)
     edit(theirs, params_b, 0.5)
     run_pair(ours, theirs, params_a, params_b, steps=2)
-    assert_state_close(ours, theirs, params_a, params_b, tol(torch.float32, device))
+    assert_adamw_runs_agree(ours, theirs, params_a, params_b, tol(torch.float32, device))
 
     for opt in (ours, theirs):  # same keys, re-inserted last to first
         entries = list(opt.state.items())
@@ -338,17 +327,17 @@ def test_state_edits_between_planned_steps_take_effect_like_torch(device):
         opt.state.update(reversed(entries))
     assert list(ours.state) == params_a[::-1]
     run_pair(ours, theirs, params_a, params_b, steps=2)
-    assert_state_close(ours, theirs, params_a, params_b, tol(torch.float32, device))
+    assert_adamw_runs_agree(ours, theirs, params_a, params_b, tol(torch.float32, device))
     edit(ours, params_a, 0.25)  # an entry replaced in the re-ordered dict
     edit(theirs, params_b, 0.25)
     run_pair(ours, theirs, params_a, params_b, steps=2)
-    assert_state_close(ours, theirs, params_a, params_b, tol(torch.float32, device))
+    assert_adamw_runs_agree(ours, theirs, params_a, params_b, tol(torch.float32, device))
 
     stray = torch.zeros(3, device=device)  # a key no group holds: ignored by both
     ours.state[stray] = {"note": 1}
     theirs.state[stray] = {"note": 1}
     run_pair(ours, theirs, params_a, params_b, steps=2)
-    assert_state_close(ours, theirs, params_a, params_b, tol(torch.float32, device))
+    assert_adamw_runs_agree(ours, theirs, params_a, params_b, tol(torch.float32, device))
     assert ours._plan is not None and ours._plan.order is not None  # the positions are used
 
 
@@ -366,7 +355,7 @@ def test_zero_lr_accepted_and_moves_only_the_state_like_torch(device):
         set_grads(params_a, params_b, step)
         ours.step()
         theirs.step()
-        assert_state_close(ours, theirs, params_a, params_b, tol(torch.float32, device))
+        assert_adamw_runs_agree(ours, theirs, params_a, params_b, tol(torch.float32, device))
         for pa, pb, p0 in zip(params_a, params_b, initial):
             assert torch.equal(pb, p0)  # torch's lr 0 step leaves it too
             assert torch.equal(pa, p0)
@@ -392,7 +381,7 @@ def test_parameter_replaced_in_a_group_list_with_its_old_state_kept(device):
         old_a.grad = old_b.grad = torch.ones(20, device=device)  # a gradient the step must ignore
         ours.step()
         theirs.step()
-        assert_state_close(ours, theirs, params_a, params_b, tol(torch.float32, device))
+        assert_adamw_runs_agree(ours, theirs, params_a, params_b, tol(torch.float32, device))
         assert float(ours.state[new_a]["step"]) == step - 2
         assert torch.equal(old_a.detach(), old_values[0]), "the replaced parameter moved"
         assert torch.equal(old_b.detach(), old_values[1])  # torch's does not move either
@@ -423,7 +412,7 @@ def test_amsgrad_small_beta1_large_first_gradient(device, beta1):
     """amsgrad with beta1 <= 0.5 (the lerp's 1 - beta1 >= 0.5 arm) matches torch while
     max_exp_avg_sq stays above exp_avg_sq."""
     ours, theirs, params_a, params_b = _run_large_first_gradient(device, (beta1, 0.999), True)
-    assert_state_close(ours, theirs, params_a, params_b, tol(torch.float32, device))
+    assert_adamw_runs_agree(ours, theirs, params_a, params_b, tol(torch.float32, device))
     for pa in params_a:
         st = ours.state[pa]
         assert (st["max_exp_avg_sq"] > st["exp_avg_sq"]).any()
@@ -433,6 +422,6 @@ def test_exp_avg_bitwise_at_beta1_half():
     """At beta1 = 0.5 torch.lerp takes its end - (end - start) * (1 - w) arm: exp_avg must equal
     torch's to the bit (CPU)."""
     ours, theirs, params_a, params_b = _run_large_first_gradient("cpu", (0.5, 0.999), False)
-    assert_state_close(ours, theirs, params_a, params_b, tol(torch.float32, "cpu"))
+    assert_adamw_runs_agree(ours, theirs, params_a, params_b, tol(torch.float32, "cpu"))
     for pa, pb in zip(params_a, params_b):
         assert torch.equal(ours.state[pa]["exp_avg"], theirs.state[pb]["exp_avg"])

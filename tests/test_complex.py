@@ -8,10 +8,9 @@ import pytest
 import torch
 
 import titanmac_c
-from conftest import DEVICES, tol
+from conftest import DEVICES, REAL_OF, assert_adamw_runs_agree
 
 STEPS = 20
-REAL_OF = {torch.complex64: torch.float32, torch.complex128: torch.float64}
 
 
 def complex_params(device, dtype, sizes=(3, 255, 4097)):
@@ -33,20 +32,6 @@ def give_grads(params_a, params_b, step, scale=1.0):
         b.grad = g.to(b.device, copy=True)
 
 
-def assert_same_run(ours, theirs, params_a, params_b, device):
-    for pa, pb in zip(params_a, params_b):
-        t = tol(REAL_OF.get(pa.dtype, pa.dtype), device)
-        torch.testing.assert_close(pa.detach(), pb.detach(), **t)
-        sa, sb = ours.state[pa], theirs.state[pb]
-        assert sa.keys() == sb.keys()
-        for key in sa:
-            if key == "step":
-                assert float(sa[key]) == float(sb[key])
-            else:
-                assert sa[key].dtype == pa.dtype  # complex state, as torch's
-                torch.testing.assert_close(sa[key], sb[key], **t)
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128])
 @pytest.mark.parametrize("amsgrad, maximize", [(False, False), (True, True)])
@@ -62,7 +47,7 @@ def test_adamw_matches_torch(device, dtype, amsgrad, maximize):
         give_grads(params_a, params_b, step)
         ours.step()
         theirs.step()
-    assert_same_run(ours, theirs, params_a, params_b, device)
+    assert_adamw_runs_agree(ours, theirs, params_a, params_b)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -82,7 +67,7 @@ def test_folded_clip_and_step_match_torch(device):
         assert float(n_ours) > 1.0  # the clip acts
         ours.step()
         theirs.step()
-    assert_same_run(ours, theirs, params_a, params_b, device)
+    assert_adamw_runs_agree(ours, theirs, params_a, params_b)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -124,10 +109,14 @@ def test_other_norms_of_complex_tensors_are_refused_by_name():
         opt.clip_grad_norm_(0.5, norm_type=3)
 
 
-def test_checkpoints_between_torch_and_ours():
-    """torch.optim.AdamW's checkpoint of complex parameters loads into ours and the runs go on
-    together; ours (complex state) loads into torch the same way."""
-    params_a = complex_params("cpu", torch.complex128)
+@pytest.mark.parametrize("device", DEVICES)
+def test_checkpoints_between_torch_and_ours(device):
+    """torch.optim.AdamW's checkpoint of complex128, float64 and float32 parameters loads into
+    ours and the runs go on together; ours (complex state for complex parameters) loads into
+    torch the same way."""
+    params_a = complex_params(device, torch.complex128)
+    params_a += [torch.nn.Parameter(torch.randn(n, dtype=torch.float64, device=device))
+                 for n in (255, 4097)]
     params_b = twins(params_a)
     first = titanmac_c.AdamW(params_a, lr=1e-2, amsgrad=True)
     theirs = torch.optim.AdamW(params_b, lr=1e-2, amsgrad=True, foreach=False)
@@ -143,7 +132,7 @@ def test_checkpoints_between_torch_and_ours():
         give_grads(params_a, params_b, step)
         ours.step()
         back.step()
-    assert_same_run(ours, back, params_a, params_b, "cpu")
+    assert_adamw_runs_agree(ours, back, params_a, params_b)
 
 
 def test_deep_nested_optimizer_refuses_complex():

@@ -1,15 +1,14 @@
 """float64 parameters (scientific models, gradient checks): AdamW, clipping and the norms compute
 them in double, as torch does, element by element against torch over 20 steps; float64 mixed with
-float32 in one optimizer; checkpoints both ways; the DeepNestedOptimizer, which computes in
+float32 in one optimizer; checkpoints both ways (tests/test_complex.py, with complex128 ones); the
+DeepNestedOptimizer, which computes in
 float32, refuses float64 by name (the CMS op's refusal: tests/test_cms_op_errors.py)."""
-
-import copy
 
 import pytest
 import torch
 
 import titanmac_c
-from conftest import DEVICES, SIZES, tol
+from conftest import DEVICES, SIZES, assert_adamw_runs_agree
 
 STEPS = 20
 F64 = torch.float64
@@ -34,20 +33,6 @@ def give_grads(params_a, params_b, step, scale=1.0):
         b.grad = g.to(device=b.device, dtype=b.dtype, copy=True)
 
 
-def assert_same_run(ours, theirs, params_a, params_b, device):
-    for pa, pb in zip(params_a, params_b):
-        t = tol(pa.dtype, device)
-        torch.testing.assert_close(pa.detach(), pb.detach(), **t)
-        sa, sb = ours.state[pa], theirs.state[pb]
-        assert sa.keys() == sb.keys()
-        for key in sa:
-            if key == "step":
-                assert float(sa[key]) == float(sb[key])
-            else:
-                assert sa[key].dtype == pa.dtype
-                torch.testing.assert_close(sa[key], sb[key], **t)
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("amsgrad", [False, True])
 @pytest.mark.parametrize("maximize", [False, True])
@@ -65,7 +50,7 @@ def test_adamw_matches_torch_in_double(device, amsgrad, maximize):
         give_grads(params_a, params_b, step)
         ours.step()
         theirs.step()
-    assert_same_run(ours, theirs, params_a, params_b, device)
+    assert_adamw_runs_agree(ours, theirs, params_a, params_b)
     # the learning rate is not rounded to float32: a float32 lr of 2.5e-2 would move every
     # step's update by 5.6e-10 relative, far outside the float64 tolerance
     assert float(torch.tensor(2.5e-2, dtype=torch.float32)) != 2.5e-2
@@ -95,7 +80,7 @@ def test_float64_and_float32_in_one_optimizer(device):
         assert 1.0 / float(n_exact) < 0.5  # the clip is active
         ours.step()
         theirs.step()
-    assert_same_run(ours, theirs, params_a, params_b, device)
+    assert_adamw_runs_agree(ours, theirs, params_a, params_b)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -141,29 +126,6 @@ def test_group_norms_in_double():
     assert float(out.nonfinite) == 0.0
     grads[1][0] = float("nan")
     assert float(titanmac_c.group_norms(grads).nonfinite) == 1.0
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_checkpoints_between_torch_and_ours(device):
-    """torch.optim.AdamW's float64 checkpoint loads into ours and the runs go on together; ours
-    loads into torch the same way."""
-    params_a = float64_params(device, [255, 4097])
-    params_b = twins(params_a)
-    theirs = torch.optim.AdamW(params_b, lr=1e-2, amsgrad=True, foreach=False)
-    first = titanmac_c.AdamW(params_a, lr=1e-2, amsgrad=True)
-    for step in range(3):
-        give_grads(params_a, params_b, step)
-        first.step()
-        theirs.step()
-    ours = titanmac_c.AdamW(params_a, lr=1e-2, amsgrad=True)
-    ours.load_state_dict(copy.deepcopy(theirs.state_dict()))
-    back = torch.optim.AdamW(params_b, lr=1e-2, amsgrad=True, foreach=False)
-    back.load_state_dict(copy.deepcopy(first.state_dict()))
-    for step in range(3, 10):
-        give_grads(params_a, params_b, step)
-        ours.step()
-        back.step()
-    assert_same_run(ours, back, params_a, params_b, device)
 
 
 def test_deep_nested_optimizer_refuses_float64():
