@@ -130,7 +130,8 @@ class AdamW(Optimizer):
     """Drop-in for torch.optim.AdamW (same arguments, defaults, state keys and state_dict).
 
     foreach, capturable and fused are accepted for compatibility and change nothing: there is one
-    fused path. differentiable=True is refused.
+    fused path. differentiable=True is refused. Parameters: float32, bfloat16, float16, float64
+    (computed in double) and complex64/complex128 (stepped as their real views, as torch's).
 
     Beyond torch: clip_grad_norm_(max_norm) computes the total gradient norm and folds the clip
     coefficient into the next step() (the gradients are scaled as the update loads them), which
