@@ -29,13 +29,13 @@ from ._distributed import ShardedNorms, any_dtensor, local_of
 from ._runtime import (
     as_number,
     call_dense,
-    real_view,
     compute_dtype,
     exec_kwargs,
     is_expanded,
     is_strided_only,
     mark_written,
     norms_scratch,
+    real_view,
     reraise_with_names,
 )
 

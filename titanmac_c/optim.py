@@ -37,8 +37,8 @@ from ._runtime import (
     float_in_range,
     is_one_number,
     mark_written,
-    real_view,
     norms_scratch,
+    real_view,
     reraise_with_names,
 )
 
@@ -200,7 +200,7 @@ class AdamW(Optimizer):
         self._scratch = Scratch()
         self._scratch_bytes = {}  # (device, amsgrad, count) -> bytes the C core asked for
         self._lr_cache = {}  # (device, dtype) -> (host lr values, tensor on device)
-        self._clip_coef = {}  # device -> float32 [1] coefficient for the next step()
+        self._clip_coef = {}  # device -> [1] coefficient (float32; float64) for the next step()
         self._clip_mark = None  # _flat.GradientMark of the gradients the coefficient is for
         self._plan = None  # _flat.Plan of the last full step, when it can be reused
         # (group, 0 or 1) -> (the tensor beta there, its _version, its float): one entry a slot,
