@@ -47,7 +47,7 @@ def lists_equal(a, b):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 @pytest.mark.parametrize("skip", [1.0, math.nan])
 def test_skip_zeroes_grads_and_nothing_else(device, dtype, skip):
     lists = adamw_lists(device, dtype)
@@ -63,7 +63,7 @@ def test_skip_zeroes_grads_and_nothing_else(device, dtype, skip):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_no_skip_is_a_normal_step(device, dtype):
     a = adamw_lists(device, dtype)
     b = clone_lists(a)

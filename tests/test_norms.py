@@ -19,15 +19,17 @@ def _tensors(device, dtype=torch.float32):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("norm_type", [1.0, 2.0, math.inf, 3.0])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 def test_group_norms_match_reference(device, norm_type, dtype):
     grads, params = _tensors(device, dtype)
     group_of = [0, 2, 1, 2, 0, 2]
     ours = titanmac_c.group_norms(grads, params, group_of, num_groups=4, norm_type=norm_type)
     ref = _reference.norms(grads, params, group_of, num_groups=4, norm_type=norm_type)
+    # float64 norms are the double sums themselves: only the summation order differs
+    rtol = 1e-13 if dtype == torch.float64 else 2e-6
     for field in ("grad", "param", "total_grad", "total_param", "nonfinite"):
         torch.testing.assert_close(getattr(ours, field).cpu(), getattr(ref, field),
-                                   rtol=2e-6, atol=0)
+                                   rtol=rtol, atol=0)
     assert float(ours.grad[3]) == 0.0  # group 3 is empty
 
 
@@ -115,20 +117,38 @@ def test_every_instruction_set_gives_the_same_bits():
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("bad", [None, math.nan, math.inf])
 @pytest.mark.parametrize("max_norm", [0.0, 0.5, 1e9, math.inf])
-def test_coefficient_from_the_norm_pass_equals_clip_coef(device, bad, max_norm):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_coefficient_from_the_norm_pass_equals_clip_coef(device, bad, max_norm, dtype):
     """tm_norms can write the clip coefficient in its finishing step; it must be bit for bit what
-    tm_clip_coef computes from the total (NaN included)."""
-    grads, _ = _tensors(device)
+    tm_clip_coef computes from the total (NaN included), in float32, or in double for float64
+    outputs."""
+    grads, _ = _tensors(device, dtype)
     if bad is not None:
         grads[2][5] = bad
-    out = torch.empty(3, device=device)
+    out = torch.empty(3, device=device, dtype=dtype)
     scratch = torch.empty(_C.norms_scratch_bytes(grads), dtype=torch.uint8, device=device)
     _C.norms(grads, None, out[0:1], out[1:2], coef=out[2:3], max_norm=max_norm, scratch=scratch)
-    separate = torch.empty(1, device=device)
+    separate = torch.empty(1, device=device, dtype=dtype)
     _C.clip_coef(out[1:2], max_norm, separate)
     torch.testing.assert_close(out[2:3], separate, rtol=0, atol=0, equal_nan=True)
     expected = _reference.clip_coef(out[1].cpu(), max_norm)
     torch.testing.assert_close(out[2].cpu(), expected, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_scale_follows_each_tensors_precision(device):
+    """_C.scale_ with a float64 factor: a float64 tensor multiplied in double, a float32 and a
+    bfloat16 one by the factor cast to float32 (torch casts the clip coefficient to each
+    gradient's dtype), as the reference's scale_."""
+    tensors = [torch.randn(n, device=device, dtype=dt)
+               for n, dt in ((4097, torch.float64), (255, torch.float32), (3, torch.bfloat16))]
+    expected = [t.clone() for t in tensors]
+    factor = torch.tensor([1.0 / 3.0 + 2.0 ** -40], dtype=torch.float64, device=device)
+    _C.scale_(tensors, factor)
+    _reference.scale_(expected, factor)
+    for t, e in zip(tensors, expected):
+        assert torch.equal(t, e)
+    assert float(factor.float()) != float(factor)  # the float64 path is not the float32 one
 
 
 def test_coefficient_output_is_validated_before_any_write():
