@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from .functional import GroupNorms
+from .functional import GroupNorms, _compute_dtype
 
 
 def _reduce(t: torch.Tensor, p: float) -> torch.Tensor:
@@ -23,11 +23,6 @@ def _reduce(t: torch.Tensor, p: float) -> torch.Tensor:
             return torch.zeros((), dtype=torch.float64)
         return torch.where(a.isnan().any(), torch.tensor(math.nan, dtype=torch.float64), a.max())
     return (a ** p).sum()
-
-
-def _compute(*tensors) -> torch.dtype:
-    """The C core's compute dtype: float64 when a tensor is float64, else float32."""
-    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
 def _finish(reduced: torch.Tensor, p: float, dtype=torch.float32) -> torch.Tensor:
@@ -50,7 +45,7 @@ def norms(grads, params=None, group_of=None, num_groups=1, norm_type=2.0) -> Gro
     """Per-group and total p-norms of grads (and params), and whether any grad is non-finite;
     float32, float64 when a tensor is float64."""
     group_of = group_of if group_of is not None else [0] * len(grads)
-    dtype = _compute(*grads, *(params or []))
+    dtype = _compute_dtype(list(grads) + list(params or []))  # float64 when a tensor is
     per_group_g = [[] for _ in range(num_groups)]
     per_group_p = [[] for _ in range(num_groups)]
     for i, g in enumerate(grads):
@@ -74,13 +69,13 @@ def norms(grads, params=None, group_of=None, num_groups=1, norm_type=2.0) -> Gro
 def clip_coef(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     """torch.nn.utils.clip_grad_norm_'s coefficient: min(1, max_norm / (total_norm + 1e-6)), in
     float32, or in float64 for a float64 norm."""
-    return torch.clamp(max_norm / (total_norm.to(_compute(total_norm)) + 1e-6), max=1.0)
+    return torch.clamp(max_norm / (total_norm.to(_compute_dtype([total_norm])) + 1e-6), max=1.0)
 
 
 def scale_(tensors, scale: torch.Tensor) -> None:
     """t *= scale: a float64 tensor in double, the others by the scale cast to float32."""
     for t in tensors:
-        dtype = _compute(t)
+        dtype = _compute_dtype([t])
         t.copy_((t.to(dtype) * scale.to(dtype)).to(t.dtype))
 
 
@@ -98,7 +93,7 @@ def adamw_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr,
         k = group_of[i] if group_of is not None else 0
         beta1, beta2, eps, weight_decay, maximize = groups[k]
         lr_k = float(lr[k])
-        dtype = _compute(p)
+        dtype = _compute_dtype([p])
         grad = grads[i].to(dtype)
         if grad_scale is not None:
             grad = grad * grad_scale.to(dtype)

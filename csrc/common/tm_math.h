@@ -134,6 +134,39 @@
 TM_DEFINE_ADAMW_MATH(float, , sqrtf)
 TM_DEFINE_ADAMW_MATH(double, _f64, sqrt)
 
+/* ---------------------------------------------------------------- float32-or-float64 scalars ---- */
+
+/* Norms, clip coefficients, scale factors, learning rates and grad scales live in float32 or
+ * float64 tensors (float64 where the tensors they serve are). Element i of one at data (f64: it
+ * is float64) read as a double (exact), or written rounded once to its dtype. */
+TM_HOST_DEVICE double
+tm_real_load(const void *data, int f64, int64_t i)
+{
+    return f64 ? ((const double *)data)[i] : (double)((const float *)data)[i];
+}
+
+TM_HOST_DEVICE void
+tm_real_store(void *data, int f64, int64_t i, double value)
+{
+    if (f64) {
+        ((double *)data)[i] = value;
+    } else {
+        ((float *)data)[i] = (float)value;
+    }
+}
+
+/* coef[0] = the clip coefficient of total_norm in the arithmetic of coef's dtype: float32 as torch
+ * clips float32 gradients (the norm and max_norm rounded to float first), double for float64. */
+TM_HOST_DEVICE void
+tm_real_store_clip_coef(void *coef, int f64, double total_norm, double max_norm)
+{
+    if (f64) {
+        *(double *)coef = tm_clip_coef_elem_f64(total_norm, max_norm);
+    } else {
+        *(float *)coef = tm_clip_coef_elem((float)total_norm, (float)max_norm);
+    }
+}
+
 /* ---------------------------------------------------------------- norms ---- */
 
 /* |x|^p accumulated in double; p == 2 and p == 1 are the common fast cases. The argument is

@@ -133,24 +133,29 @@ tm_check_writable(const tm_tensor *t, const char *name, int32_t index)
     return TM_OK;
 }
 
-tm_status
-tm_check_real_numel(const tm_tensor *t, const char *name, int32_t index, int64_t numel)
+/* t is float32 (or float64 where real_ok) with numel elements; the message names what was
+ * expected. */
+static tm_status
+check_scalar_numel(const tm_tensor *t, const char *name, int32_t index, int64_t numel,
+                   int real_ok)
 {
     char label[TM_LABEL_TEXT];
-    TM_CHECK((t->dtype == TM_FLOAT32 || t->dtype == TM_FLOAT64) && t->numel == numel,
-             TM_ERR_VALUE, "%s: expected float32 or float64 with %lld element%s, got %s with %lld",
-             tm_label(name, index, label), (long long)numel, numel == 1 ? "" : "s",
+    int dtype_ok = t->dtype == TM_FLOAT32 || (real_ok && t->dtype == TM_FLOAT64);
+    TM_CHECK(dtype_ok && t->numel == numel, TM_ERR_VALUE,
+             "%s: expected %s with %lld element%s, got %s with %lld", tm_label(name, index, label),
+             real_ok ? "float32 or float64" : "float32", (long long)numel, numel == 1 ? "" : "s",
              tm_dtype_name(t->dtype), (long long)t->numel);
     return TM_OK;
 }
 
 tm_status
+tm_check_real_numel(const tm_tensor *t, const char *name, int32_t index, int64_t numel)
+{
+    return check_scalar_numel(t, name, index, numel, 1);
+}
+
+tm_status
 tm_check_f32_numel(const tm_tensor *t, const char *name, int32_t index, int64_t numel)
 {
-    char label[TM_LABEL_TEXT];
-    TM_CHECK(t->dtype == TM_FLOAT32 && t->numel == numel, TM_ERR_VALUE,
-             "%s: expected float32 with %lld element%s, got %s with %lld",
-             tm_label(name, index, label), (long long)numel, numel == 1 ? "" : "s",
-             tm_dtype_name(t->dtype), (long long)t->numel);
-    return TM_OK;
+    return check_scalar_numel(t, name, index, numel, 0);
 }

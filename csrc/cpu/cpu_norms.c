@@ -138,7 +138,8 @@ write_outputs(const norms_ctx *ctx, const tm_norms_args *args, const tm_norms_ou
     cpu_store_real(&out->total_grad, 0, tm_norm_finish(total, ctx->p));
     if (tm_tensor_given(&out->coef)) {
         /* from the norm as stored, as tm_clip_coef would compute it */
-        cpu_store_clip_coef(&out->coef, cpu_read_real(&out->total_grad, 0), args->max_norm);
+        tm_real_store_clip_coef(out->coef.data, out->coef.dtype == TM_FLOAT64,
+                                cpu_read_real(&out->total_grad, 0), args->max_norm);
     }
     if (tm_tensor_given(&out->nonfinite)) {
         int bad = ctx->flag_part != NULL ? combine_all(ctx->flag_part, blocks, CPU_NORM_L1) != 0.0

@@ -212,6 +212,7 @@ cpu_clip_coef(const tm_tensor *total_norm, double max_norm, const tm_tensor *coe
               const tm_exec *exec)
 {
     (void)exec;
-    cpu_store_clip_coef(coef, cpu_read_real(total_norm, 0), max_norm);
+    tm_real_store_clip_coef(coef->data, coef->dtype == TM_FLOAT64, cpu_read_real(total_norm, 0),
+                            max_norm);
     return TM_OK;
 }

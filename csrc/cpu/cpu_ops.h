@@ -17,6 +17,7 @@
 
 #include "../common/tm_cms_finish.h"
 #include "../common/tm_math.h"
+#include "../common/tm_tensor.h"
 #include "titanmac.h"
 
 /* 1 where the AVX2 and AVX-512 tables exist: x86-64, the one x86 target the build gives ISA
@@ -188,39 +189,21 @@ cpu_segment_elems(int64_t numel, int64_t b0, int64_t b1, int64_t *offset)
 static inline void *
 cpu_elem_ptr(const tm_tensor *t, int64_t offset)
 {
-    static const size_t size[TM_DTYPE_COUNT] = {4, 2, 2, 8}; /* in tm_dtype order */
-    return (char *)t->data + (size_t)offset * size[t->dtype];
+    return (char *)t->data + (size_t)offset * tm_dtype_size(t->dtype);
 }
 
-/* Element i of a float32 or float64 tensor (validated) in host memory, as a double. */
+/* Element i of a float32 or float64 tensor (validated) in host memory: tm_real_load /
+ * tm_real_store (tm_math.h) on a tm_tensor. */
 static inline double
 cpu_read_real(const tm_tensor *t, int64_t i)
 {
-    return t->dtype == TM_FLOAT64 ? ((const double *)t->data)[i]
-                                  : (double)((const float *)t->data)[i];
+    return tm_real_load(t->data, t->dtype == TM_FLOAT64, i);
 }
 
-/* Element i of a float32 or float64 tensor = value, rounded once to its dtype. */
 static inline void
 cpu_store_real(const tm_tensor *t, int64_t i, double value)
 {
-    if (t->dtype == TM_FLOAT64) {
-        ((double *)t->data)[i] = value;
-    } else {
-        ((float *)t->data)[i] = (float)value;
-    }
-}
-
-/* coef[0] = the clip coefficient of total_norm, in the arithmetic of coef's dtype: float32 as
- * torch clips float32 gradients (the norm rounded to float first), double for float64. */
-static inline void
-cpu_store_clip_coef(const tm_tensor *coef, double total_norm, double max_norm)
-{
-    if (coef->dtype == TM_FLOAT64) {
-        *(double *)coef->data = tm_clip_coef_elem_f64(total_norm, max_norm);
-    } else {
-        *(float *)coef->data = tm_clip_coef_elem((float)total_norm, (float)max_norm);
-    }
+    tm_real_store(t->data, t->dtype == TM_FLOAT64, i, value);
 }
 
 /* out[q] = sum over nb blocks of part q, block b's parts at first[b * stride], in block order:

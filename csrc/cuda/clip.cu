@@ -8,8 +8,8 @@
  *
  * total_norm, coef and scale may each be float32 or float64 (real_ref carries which).
  *
- * clip_coef_kernel: one thread, one element, in coef's arithmetic (store_clip_coef, as the CPU):
- * float32 from the norm rounded to float, double from the norm as a double.
+ * clip_coef_kernel: one thread, one element, in coef's arithmetic (tm_real_store_clip_coef, as the
+ * CPU): float32 from the norm rounded to float, double from the norm as a double.
  * scale_kernel: one block per chunk of TM_CHUNK elements (multi_tensor.cuh); 16-byte loads and
  * stores, TM_ILP in flight, when the tensor is 16-byte aligned, element accesses for the tail and
  * for unaligned views. A float64 tensor is multiplied by the factor as a double; the others by

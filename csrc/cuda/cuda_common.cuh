@@ -217,35 +217,25 @@ real_ref_of(const tm_tensor &t)
     return real_ref{t.data, t.dtype == TM_FLOAT64};
 }
 
-/* Element i as a double (exact). */
+/* tm_math.h's tm_real_load / tm_real_store / tm_real_store_clip_coef (shared with the CPU) on a
+ * real_ref: element i as a double (exact), element i = value rounded once to the dtype, coef[0] =
+ * the clip coefficient of total_norm in the arithmetic of coef's dtype. */
 static __device__ __forceinline__ double
 load_real(real_ref x, int64_t i)
 {
-    return x.f64 ? ((const double *)x.ptr)[i] : (double)((const float *)x.ptr)[i];
+    return tm_real_load(x.ptr, x.f64, i);
 }
 
-/* Element i = value, rounded once to the tensor's dtype. */
 static __device__ __forceinline__ void
 store_real(real_ref x, int64_t i, double value)
 {
-    if (x.f64) {
-        ((double *)x.ptr)[i] = value;
-    } else {
-        ((float *)x.ptr)[i] = (float)value;
-    }
+    tm_real_store(x.ptr, x.f64, i, value);
 }
 
-/* coef[0] = the clip coefficient of total_norm in the arithmetic of coef's dtype, as
- * cpu_store_clip_coef: float32 as torch clips float32 gradients (the norm and max_norm rounded to
- * float first), double for float64. */
 static __device__ __forceinline__ void
 store_clip_coef(real_ref coef, double total_norm, double max_norm)
 {
-    if (coef.f64) {
-        *(double *)coef.ptr = tm_clip_coef_elem_f64(total_norm, max_norm);
-    } else {
-        *(float *)coef.ptr = tm_clip_coef_elem((float)total_norm, (float)max_norm);
-    }
+    tm_real_store_clip_coef(coef.ptr, coef.f64, total_norm, max_norm);
 }
 
 /* ---------------------------------------------------------------- reductions ---- */
