@@ -119,13 +119,32 @@ def make_params(sizes, device="cpu", dtype=torch.float32, misaligned=True):
     return params
 
 
-def set_grads(params_a, params_b, step, scale=1.0):
-    """Give two parameter lists identical pseudo-random gradients for this step."""
-    gen = torch.Generator().manual_seed(1000 + step)
+# gradients drawn in the parameter's own dtype (true float64 / complex values); the others are
+# drawn in float32 and rounded to theirs
+_DRAWN_IN_OWN_DTYPE = (torch.float64, torch.complex64, torch.complex128)
+
+
+def set_grads(params_a, params_b, step, scale=1.0, first_seed=1000):
+    """Give two parameter lists identical pseudo-random gradients for this step (seeded
+    first_seed + step)."""
+    gen = torch.Generator().manual_seed(first_seed + step)
     for pa, pb in zip(params_a, params_b):
-        g = torch.randn(pa.shape, generator=gen) * scale
+        drawn = pa.dtype if pa.dtype in _DRAWN_IN_OWN_DTYPE else torch.float32
+        g = torch.randn(pa.shape, generator=gen, dtype=drawn) * scale
         pa.grad = g.to(device=pa.device, dtype=pa.dtype, copy=True)
         pb.grad = g.to(device=pb.device, dtype=pb.dtype, copy=True)
+
+
+def run_pair(ours, theirs, params_a, params_b, steps=20, grad_scale=1.0, sched=None,
+             first_seed=1000):
+    """steps steps of two optimizers on the same gradients (set_grads), with schedulers."""
+    for step in range(steps):
+        set_grads(params_a, params_b, step, grad_scale, first_seed)
+        ours.step()
+        theirs.step()
+        if sched is not None:
+            for s in sched:
+                s.step()
 
 
 def clone_params(params):

@@ -7,9 +7,7 @@ import torch
 
 import titanmac_c
 from conftest import (DEVICES, SIZES, assert_adamw_runs_agree, clone_params, make_params,
-                      set_grads, tol)
-
-STEPS = 20
+                      run_pair, set_grads, tol)
 
 
 def groups_of(params, lrs, weight_decays, betas=None):
@@ -22,16 +20,6 @@ def groups_of(params, lrs, weight_decays, betas=None):
             g["betas"] = betas[k]
         groups.append(g)
     return groups
-
-
-def run_pair(ours, theirs, params_a, params_b, steps=STEPS, grad_scale=1.0, sched=None):
-    for step in range(steps):
-        set_grads(params_a, params_b, step, grad_scale)
-        ours.step()
-        theirs.step()
-        if sched is not None:
-            for s in sched:
-                s.step()
 
 
 @pytest.mark.parametrize("device", DEVICES)

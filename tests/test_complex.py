@@ -8,9 +8,11 @@ import pytest
 import torch
 
 import titanmac_c
-from conftest import DEVICES, REAL_OF, assert_adamw_runs_agree
+from conftest import (DEVICES, REAL_OF, assert_adamw_runs_agree, clone_params, run_pair,
+                      set_grads)
 
-STEPS = 20
+STEPS = 20  # the clip loops' steps
+SEED = 3000  # set_grads' first seed: this file's gradients
 
 
 def complex_params(device, dtype, sizes=(3, 255, 4097)):
@@ -20,33 +22,18 @@ def complex_params(device, dtype, sizes=(3, 255, 4097)):
                      torch.nn.Parameter(torch.randn(65, device=device))]
 
 
-def twins(params):
-    return [torch.nn.Parameter(p.detach().clone()) for p in params]
-
-
-def give_grads(params_a, params_b, step, scale=1.0):
-    gen = torch.Generator().manual_seed(3000 + step)
-    for a, b in zip(params_a, params_b):
-        g = torch.randn(a.shape, generator=gen, dtype=a.dtype) * scale
-        a.grad = g.to(a.device, copy=True)
-        b.grad = g.to(b.device, copy=True)
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128])
 @pytest.mark.parametrize("amsgrad, maximize", [(False, False), (True, True)])
 def test_adamw_matches_torch(device, dtype, amsgrad, maximize):
     params_a = complex_params(device, dtype)
-    params_b = twins(params_a)
+    params_b = clone_params(params_a)
     kw = dict(lr=3e-3, weight_decay=0.05, amsgrad=amsgrad, maximize=maximize)
     ours = titanmac_c.AdamW([{"params": params_a[:2]}, {"params": params_a[2:], "lr": 1e-2}],
                             **kw)
     theirs = torch.optim.AdamW([{"params": params_b[:2]}, {"params": params_b[2:], "lr": 1e-2}],
                                foreach=False, **kw)
-    for step in range(STEPS):
-        give_grads(params_a, params_b, step)
-        ours.step()
-        theirs.step()
+    run_pair(ours, theirs, params_a, params_b, first_seed=SEED)
     assert_adamw_runs_agree(ours, theirs, params_a, params_b)
 
 
@@ -55,11 +42,11 @@ def test_folded_clip_and_step_match_torch(device):
     """AdamW.clip_grad_norm_ over complex and real gradients: the 2-norm of them all (a complex
     gradient's is that of its real and imaginary parts), folded into the step."""
     params_a = complex_params(device, torch.complex64)
-    params_b = twins(params_a)
+    params_b = clone_params(params_a)
     ours = titanmac_c.AdamW(params_a, lr=1e-2)
     theirs = torch.optim.AdamW(params_b, lr=1e-2, foreach=False)
     for step in range(STEPS):
-        give_grads(params_a, params_b, step)
+        set_grads(params_a, params_b, step, first_seed=SEED)
         n_ours = ours.clip_grad_norm_(1.0)
         n_theirs = torch.nn.utils.clip_grad_norm_(params_b, 1.0)
         assert n_ours.dtype == n_theirs.dtype == torch.float32
@@ -74,8 +61,8 @@ def test_folded_clip_and_step_match_torch(device):
 @pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128])
 def test_clip_grad_norm_and_get_total_norm(device, dtype):
     params_a = complex_params(device, dtype)
-    params_b = twins(params_a)
-    give_grads(params_a, params_b, 0)
+    params_b = clone_params(params_a)
+    set_grads(params_a, params_b, 0, first_seed=SEED)
     grads = [p.grad.clone() for p in params_a]
     n_ours = titanmac_c.get_total_norm(grads)
     torch.testing.assert_close(n_ours, torch.nn.utils.get_total_norm(grads), rtol=1e-6, atol=0)
@@ -117,11 +104,11 @@ def test_checkpoints_between_torch_and_ours(device):
     params_a = complex_params(device, torch.complex128)
     params_a += [torch.nn.Parameter(torch.randn(n, dtype=torch.float64, device=device))
                  for n in (255, 4097)]
-    params_b = twins(params_a)
+    params_b = clone_params(params_a)
     first = titanmac_c.AdamW(params_a, lr=1e-2, amsgrad=True)
     theirs = torch.optim.AdamW(params_b, lr=1e-2, amsgrad=True, foreach=False)
     for step in range(3):
-        give_grads(params_a, params_b, step)
+        set_grads(params_a, params_b, step, first_seed=SEED)
         first.step()
         theirs.step()
     ours = titanmac_c.AdamW(params_a, lr=1e-2, amsgrad=True)
@@ -129,7 +116,7 @@ def test_checkpoints_between_torch_and_ours(device):
     back = torch.optim.AdamW(params_b, lr=1e-2, amsgrad=True, foreach=False)
     back.load_state_dict(copy.deepcopy(first.state_dict()))
     for step in range(3, 10):
-        give_grads(params_a, params_b, step)
+        set_grads(params_a, params_b, step, first_seed=SEED)
         ours.step()
         back.step()
     assert_adamw_runs_agree(ours, back, params_a, params_b)

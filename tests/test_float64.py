@@ -1,16 +1,18 @@
 """float64 parameters (scientific models, gradient checks): AdamW, clipping and the norms compute
 them in double, as torch does, element by element against torch over 20 steps; float64 mixed with
 float32 in one optimizer; checkpoints both ways (tests/test_complex.py, with complex128 ones); the
-DeepNestedOptimizer, which computes in
-float32, refuses float64 by name (the CMS op's refusal: tests/test_cms_op_errors.py)."""
+DeepNestedOptimizer, which computes in float32, refuses float64 by name (the CMS op's refusal:
+tests/test_cms_op_errors.py)."""
 
 import pytest
 import torch
 
 import titanmac_c
-from conftest import DEVICES, SIZES, assert_adamw_runs_agree
+from conftest import (DEVICES, SIZES, assert_adamw_runs_agree, clone_params, run_pair,
+                      set_grads)
 
-STEPS = 20
+STEPS = 20  # the clip loops' steps
+SEED = 2000  # set_grads' first seed: this file's gradients
 F64 = torch.float64
 
 
@@ -21,24 +23,12 @@ def float64_params(device, sizes=SIZES):
     return params + [torch.nn.Parameter(base[1:])]
 
 
-def twins(params):
-    return [torch.nn.Parameter(p.detach().clone()) for p in params]
-
-
-def give_grads(params_a, params_b, step, scale=1.0):
-    gen = torch.Generator().manual_seed(2000 + step)
-    for a, b in zip(params_a, params_b):
-        g = torch.randn(a.shape, generator=gen, dtype=F64) * scale
-        a.grad = g.to(device=a.device, dtype=a.dtype, copy=True)
-        b.grad = g.to(device=b.device, dtype=b.dtype, copy=True)
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("amsgrad", [False, True])
 @pytest.mark.parametrize("maximize", [False, True])
 def test_adamw_matches_torch_in_double(device, amsgrad, maximize):
     params_a = float64_params(device)
-    params_b = twins(params_a)
+    params_b = clone_params(params_a)
     groups = [dict(lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999)),
               dict(lr=3e-3, weight_decay=0.01, betas=(0.8, 0.99)),
               dict(lr=2.5e-2, weight_decay=0.1, betas=(0.95, 0.9999))]
@@ -46,10 +36,7 @@ def test_adamw_matches_torch_in_double(device, amsgrad, maximize):
     ours = titanmac_c.AdamW([dict(g, params=params_a[k::3]) for k, g in enumerate(groups)], **kw)
     theirs = torch.optim.AdamW([dict(g, params=params_b[k::3]) for k, g in enumerate(groups)],
                                foreach=False, **kw)
-    for step in range(STEPS):
-        give_grads(params_a, params_b, step)
-        ours.step()
-        theirs.step()
+    run_pair(ours, theirs, params_a, params_b, first_seed=SEED)
     assert_adamw_runs_agree(ours, theirs, params_a, params_b)
     # the learning rate is not rounded to float32: a float32 lr of 2.5e-2 would move every
     # step's update by 5.6e-10 relative, far outside the float64 tolerance
@@ -66,11 +53,11 @@ def test_float64_and_float32_in_one_optimizer(device):
     float32 for the float32 gradients."""
     params_a = float64_params(device, [3, 4097])
     params_a += [torch.nn.Parameter(torch.randn(n, device=device)) for n in (255, 65537)]
-    params_b = twins(params_a)
+    params_b = clone_params(params_a)
     ours = titanmac_c.AdamW(params_a, lr=1e-2, weight_decay=0.05)
     theirs = torch.optim.AdamW(params_b, lr=1e-2, weight_decay=0.05, foreach=False)
     for step in range(STEPS):
-        give_grads(params_a, params_b, step, scale=0.05)
+        set_grads(params_a, params_b, step, 0.05, SEED)
         n_ours = ours.clip_grad_norm_(1.0)
         n_exact = torch.linalg.vector_norm(torch.cat([p.grad.reshape(-1).to(F64)
                                                       for p in params_b]))
@@ -88,9 +75,9 @@ def test_clip_grad_norm_in_double(device):
     """titanmac_c.clip_grad_norm_ against torch's on float64 gradients: the norm in float64 and
     the gradients scaled in double (a coefficient rounded to float32 would move them by ~1e-8)."""
     params_a = float64_params(device)
-    params_b = twins(params_a)
+    params_b = clone_params(params_a)
     for step in range(5):
-        give_grads(params_a, params_b, step)
+        set_grads(params_a, params_b, step, first_seed=SEED)
         ours = titanmac_c.clip_grad_norm_(params_a, 0.5)
         theirs = torch.nn.utils.clip_grad_norm_(params_b, 0.5)
         assert ours.dtype == F64
