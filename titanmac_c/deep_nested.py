@@ -70,6 +70,7 @@ from ._dno_graph import GraphState
 from ._flat import GradientMark
 from ._cms import CMSModeMixin, CMSState, init_output_on_sign, level_frequencies
 from ._dno_control import ControlStepMixin, watch_model_edits
+from ._step_hooks import has_step_hooks, with_step_hooks
 from ._runtime import (
     Scratch,
     as_number,
@@ -492,7 +493,7 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin):
                     self._cms_phase2(t)
             else:
                 with prof.step_range(prof.UPDATE):
-                    if self.base_optimizer._has_step_hooks():
+                    if has_step_hooks(self.base_optimizer):
                         self._adamw_update_with_hooks()
                     else:
                         self.base_optimizer._fused_step(lr=self._lr, grad_scale=self._coef,
@@ -530,7 +531,7 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin):
             self._updated = True
 
         try:
-            base._with_step_hooks(update)
+            with_step_hooks(base, update)
         finally:
             for group, lr in zip(base.param_groups, kept):
                 group["lr"] = lr

@@ -4,37 +4,29 @@
  * after PyTorch's fused_adam_utils.cuh and llm.c's adamw.cuh.
  *
  *   step += 1;  g = grad * grad_scale (negated if maximize);  p *= 1 - lr * wd
- *   with a loss_scale: g = g / loss_scale, stored back into grad (torch.amp's unscale, as torch's
- *   fused AdamW does it)
+ *   with a loss_scale: g = g / loss_scale, stored back into grad (as torch's fused AdamW)
  *   m = lerp(m, g, 1 - beta1);  v = beta2 * v + (1 - beta2) * g^2;  vmax = max(vmax, v)
  *   p -= lr / (1 - beta1^step) * m / (sqrt(amsgrad ? vmax : v) / sqrt(1 - beta2^step) + eps)
  *
- * Graph-capturable: lr[group], step[i], grad_scale[0], skip[0] and loss_scale[0] are read by the
- * kernel from device memory (lr and grad_scale as float32 or float64, each in its own dtype); the
- * host passes pointers and the groups' host hyperparameters only.
+ * Graph-capturable: lr[group], step[i], grad_scale[0], skip[0] and loss_scale[0] are read from
+ * device memory (lr, grad_scale: float32 or float64); the host passes pointers and hyperparameters.
  *
  * adamw_kernel<T, DEPTH>: one block per chunk of TM_CHUNK elements (multi_tensor.cuh). Thread 0
- * reads the tensor's step and lr and builds the coefficients in double (tm_adamw_coeffs_make, or
- * tm_adamw_coeffs_f64_make for float64), which the block shares. Every thread then updates its
- * elements in float32 (tm_adamw_elem), or in double for float64 params (tm_adamw_elem_f64, as
- * torch updates them): 16-byte loads and stores of p, g, m, v (and vmax) when all of the
- * tensor's pointers are 16-byte aligned, element accesses for the tail and for unaligned views (a
- * view at offset 1 is legal). State has the param's dtype, rounded once per store.
+ * builds the coefficients from the tensor's step and lr in double (tm_adamw_coeffs_make, _f64 for
+ * float64), shared by the block; every thread updates its elements in float32 (tm_adamw_elem), or
+ * in double for float64 params (as torch): 16-byte accesses when all the tensor's pointers are
+ * 16-byte aligned, element ones for the tail and unaligned views. State has the param's dtype.
  *
  * Step counts, race-free within one launch: a block reads step[i] (thread 0) before it arrives
- * at the completion counter in the caller's scratch (atomicAdd after __threadfence). The block
- * whose arrival makes the count gridDim.x is the last, so every block has read its step by then:
- * it adds 1 to every step of the launch, numel-0 tensors included, and stores 0 back to the
- * counter, which the next launch on the stream sees (stream order). So the scratch is zero
- * between calls, as titanmac.h promises. The counter is the only atomic; results do not depend
- * on block order. With skip[0] != 0 every block returns before touching the counter, the
- * steps or any state; with zero_grads_on_skip it first stores zeros into its chunk of the grad
- * (the DNO's NaN guard), so every grad element is zeroed exactly once and the counter stays 0.
- * Two calls must not share one scratch concurrently (different streams): they would share the
- * counter.
- *
- * Launches: for each dtype present, ceil(its tensors / capacity), capacity 603 (524 with
- * amsgrad) at 32 KB of parameters; more than TM_ADAMW_GROUPS distinct groups also split a launch.
+ * at the completion counter in the caller's scratch (atomicAdd after __threadfence); the block
+ * whose arrival makes the count gridDim.x is the last, so every block has read its step: it adds
+ * 1 to every step of the launch (numel-0 tensors too) and stores 0 back to the counter for the
+ * next launch on the stream (the scratch is zero between calls, as titanmac.h promises; two
+ * streams must not share one). The counter is the only atomic; results do not depend on block
+ * order. With skip[0] != 0 every block returns before the counter, the steps or any state; with
+ * zero_grads_on_skip it first zeroes its chunk of the grad (the DNO's NaN guard).
+ * Launches: per dtype present, ceil(its tensors / capacity), capacity 603 (524 with amsgrad) at
+ * 32 KB of parameters; more than TM_ADAMW_GROUPS distinct groups also split a launch.
  */
 #include "cuda_ops.h"
 #include "multi_tensor.cuh"

@@ -26,12 +26,9 @@
  * other p, |x|^p may overflow, so pass 1 tests each element (isfinite of the double).
  *
  * Scratch (cuda_norms_scratch_bytes): norm_partial[kinds][num_chunks], kinds = 2 when params are
- * given. Record j of a kind is chunk c of tensor i, j = c + sum over t < i of
- * ceil(numel_t / TM_CHUNK): a pure function of (tensor, chunk). Pass 1 writes every record, so
- * the scratch needs no zeroing.
- *
- * Launches: ceil(non-empty tensors / capacity) of pass 1 (capacity 989 with params, 1,306
- * without, at 32 KB of parameters), then one of pass 2.
+ * given; record c + sum over t < i of ceil(numel_t / TM_CHUNK) is chunk c of tensor i, written
+ * by pass 1 in every call (no zeroing). Launches: ceil(non-empty tensors / capacity) of pass 1
+ * (capacity 989 with params, 1,306 without, at 32 KB of parameters), then one of pass 2.
  */
 #include "cuda_ops.h"
 #include "multi_tensor.cuh"

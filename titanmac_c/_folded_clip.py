@@ -1,0 +1,105 @@
+"""AdamW.clip_grad_norm_'s computation: the total norm of the optimizer's gradients and the clip
+coefficient min(1, max_norm / (norm + 1e-6)) that its next step() multiplies into each gradient
+as it loads it (the gradients themselves are not written)."""
+
+import numbers
+
+import torch
+from torch import Tensor
+
+from . import _C
+from . import _profiling as prof
+from ._distributed import any_dtensor, is_dtensor, replicated
+from ._runtime import call_dense, compute_dtype, exec_kwargs, norms_scratch
+from .functional import (
+    _check_max_norm,
+    _check_norm_type,
+    _local_norm,
+    _raise_if_nonfinite,
+    _real_views,
+    _result_dtype,
+    _sharded,
+)
+
+
+def given_total_norm(total_norm, device, dtype):
+    """clip_grad_norm_'s total_norm as a one-element floating tensor on the gradients' device
+    (a number becomes one of dtype, the gradients' compute dtype); its dtype is the result's."""
+    if isinstance(total_norm, numbers.Real) and not isinstance(total_norm, bool):
+        # a fill, not torch.tensor([x], device=...): a copy from host memory waits for the GPU
+        return torch.full((1,), float(total_norm), dtype=dtype, device=device)
+    if not isinstance(total_norm, Tensor):
+        raise TypeError(f"total_norm: expected a tensor or a number, got "
+                        f"{type(total_norm).__name__}")
+    if total_norm.numel() != 1 or not total_norm.is_floating_point():
+        raise ValueError(f"total_norm: expected one floating-point element, got "
+                         f"{total_norm.dtype} with {total_norm.numel()} elements")
+    return total_norm.detach().to(device)  # torch's clip also moves the norm to each device
+
+
+def folded_clip(optimizer, max_norm, norm_type, error_if_nonfinite, total_norm):
+    """(the total norm as AdamW.clip_grad_norm_ returns it, the [1] coefficient tensor on the
+    gradients' device or None when there is no gradient). Writes nothing of the optimizer."""
+    max_norm = _check_max_norm(max_norm)
+    norm_type = _check_norm_type(norm_type)
+    grads = optimizer._planned_grads()
+    # the returned norm's dtype: fixed by the parameters while the plan holds (the C core
+    # refuses gradients of another dtype), so reckoned once per plan
+    dtype = optimizer._plan.norm_dtype if grads is not None else None
+    if grads is None:
+        grads = [g for g in (p.grad for group in optimizer.param_groups
+                             for p in group["params"]) if g is not None]
+        # complex gradients as their real views (a plan holds none: no cost to its step)
+        grads = _real_views("grads", grads, norm_type)
+        if not grads:
+            return torch.tensor(0.0), None
+        if len({g.device for g in grads}) > 1:
+            raise ValueError("clip_grad_norm_: parameters on several devices; use "
+                             "titanmac_c.clip_grad_norm_ instead")
+    sharded = mesh = None  # mesh: the result is returned replicated over it
+    # a cached plan holds no DTensor (their batches get none): no check needed then
+    if total_norm is None and dtype is None and any_dtensor(grads):
+        names = [f"param_groups[{gi}]['params'][{pi}]"
+                 for gi, group in enumerate(optimizer.param_groups)
+                 for pi, p in enumerate(group["params"]) if p.grad is not None]
+        sharded = _sharded("grads", grads, names)
+        mesh = sharded.mesh
+    if is_dtensor(total_norm):  # returned as it came, a replicated DTensor
+        mesh, total_norm = total_norm.device_mesh, total_norm.full_tensor()
+    device = grads[0].device
+    if dtype is None:
+        dtype = _result_dtype(grads)
+    # the norm and coefficient in float32, or in float64 (torch's arithmetic) for float64
+    # gradients or a float64 total_norm given
+    work = compute_dtype(dtype)
+    if total_norm is not None:
+        total_norm = given_total_norm(total_norm, device, work)
+        work = compute_dtype(torch.promote_types(work, total_norm.dtype))
+    buf = torch.empty(2, dtype=work, device=device)
+    kwargs = exec_kwargs(device)
+    if sharded is not None:  # DTensors: the norm over all ranks, then the coefficient
+        with prof.step_range(prof.STATS):
+            total = sharded.total(_local_norm("grads", norm_type), norm_type).reshape(1)
+        _C.clip_coef(total, max_norm, buf[1:2], stream=kwargs.get("stream"))
+    elif total_norm is None:
+        # One pass; its finishing step also writes the coefficient (one launch on CUDA).
+        group = torch.empty(1, dtype=work, device=device)
+
+        def run(ts):
+            _C.norms(ts, None, group, buf[0:1], norm_type=norm_type, coef=buf[1:2],
+                     max_norm=max_norm, scratch=norms_scratch(device, ts), **kwargs)
+
+        with prof.step_range(prof.STATS):
+            call_dense(run, grads, read_only=True)
+        total = buf[0:1]
+    else:
+        total = total_norm.reshape(1).to(work)
+        _C.clip_coef(total, max_norm, buf[1:2], stream=kwargs.get("stream"))
+    # in the gradients' dtype, as torch's clip_grad_norm_ returns it (the coefficient comes
+    # from the float32 norm, or the float64 one)
+    if total_norm is not None:
+        dtype = total_norm.dtype
+    result = total[0] if dtype == total.dtype else total[0].to(dtype)
+    if error_if_nonfinite:  # the norm as returned: an fp16 one is inf where the float32 one
+        _raise_if_nonfinite(result, norm_type)  # is finite, and torch raises there
+    return (result if mesh is None else replicated(mesh, result)), buf[1:2]
