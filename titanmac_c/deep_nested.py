@@ -32,14 +32,13 @@ checks run first on a Phase 1 step, tm_cms_check, so a refused step trains nothi
 buffers exist only in
 CMS mode.
 
-Layout: this file holds the constructor, the public surface, the step's order and checkpoints;
+Layout: this file holds the constructor, the public surface and the step's order;
+_dno_args.py the constructor's checks, _dno_checkpoint.py state_dict / load_state_dict,
 _dno_control.py the statistics and control calls, _cms.py the CMS mode, _dno_graph.py the
 CUDA-graph mode.
 """
 
-import copy
 import math
-import numbers
 import warnings
 
 import torch
@@ -65,10 +64,17 @@ from ._reference_dno import (
     group_moe_params,
     infer_param_depth,
 )
-from ._distributed import is_dtensor
 from ._dno_graph import GraphState
 from ._flat import GradientMark
-from ._cms import CMSModeMixin, CMSState, init_output_on_sign, level_frequencies
+from ._cms import CMSModeMixin, CMSState, init_output_on_sign
+from ._dno_args import (
+    check_c_limits,
+    check_float,
+    check_frequencies,
+    check_grouped,
+    check_int,
+)
+from ._dno_checkpoint import CheckpointMixin
 from ._dno_control import ControlStepMixin, watch_model_edits
 from ._step_hooks import has_step_hooks, with_step_hooks
 from ._runtime import (
@@ -81,132 +87,10 @@ from ._runtime import (
 from .optim import AdamW
 
 
-def _as_int(value):
-    """value as an int when it is a whole number (int, numpy integer, 100.0 from a JSON or
-    argparse config, a 1-element tensor), else None; bools are not numbers here."""
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1 or value.is_floating_point() and not value.isfinite().all():
-            return None
-        value = value.item()
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, numbers.Integral):
-        return int(value)
-    if isinstance(value, numbers.Real) and math.isfinite(value) and float(value).is_integer():
-        return int(value)
-    return None
-
-
-def _check_int(name, value, low):
-    """An int >= low; any whole number is accepted (the reference uses these in arithmetic)."""
-    as_int = _as_int(value)
-    if as_int is None or as_int < low:
-        raise ValueError(f"{name} = {value!r}: must be a whole number >= {low}")
-    return as_int
-
-
-def _check_frequencies(cms_frequencies, consistent):
-    """CMS mode: a non-empty sequence of whole numbers (a list, tuple, numpy array or tensor),
-    as a list of ints, whose levels fire at periods >= 1: level l every
-    cms_frequencies[1] ** l steps (B7; cms_frequencies[0] only divides level 0's sum, and may be
-    0 as in the reference), or every cms_frequencies[l] steps with consistent (B7 corrected)."""
-    try:
-        freqs = [_as_int(f) for f in cms_frequencies]
-    except TypeError:
-        freqs = []
-    if not freqs or any(f is None or f < 0 for f in freqs):
-        raise ValueError(f"cms_frequencies = {cms_frequencies!r}: a non-empty list of whole "
-                         "numbers >= 0")
-    periods = level_frequencies(freqs, consistent)
-    if min(periods) < 1:
-        raise ValueError(f"cms_frequencies = {cms_frequencies!r}: level periods {periods}; each "
-                         "must be >= 1")
-    return freqs
-
-
-def _check_c_limits(opt):
-    """The sizes the C core's fixed arrays take, checked when the optimizer is built (the
-    reference takes any). The momentum network runs only in CMS mode; the controller always."""
-    limits = [("controller_hidden_dim", opt.controller_hidden_dim, _C.DNO_MAX_HIDDEN),
-              ("controller_num_layers", opt.controller_num_layers, _C.DNO_MAX_LAYERS)]
-    if opt.use_cms_updates:
-        limits += [("len(cms_frequencies)", len(opt.cms_frequencies), _C.CMS_MAX_LEVELS),
-                   ("momentum_num_layers", opt.momentum_num_layers, _C.CMS_MAX_LAYERS)]
-        if not opt.use_preprocessing:  # the DirectUpdateMLP is capped at 20 as in the reference
-            limits.append(("momentum_hidden_dim", opt.momentum_hidden_dim,
-                           _C.CMS_LEGACY_MAX_HIDDEN))
-    for name, value, most in limits:
-        if value > most:
-            raise ValueError(f"{name} = {value}: titanmac_c takes at most {most} (the size of "
-                             "the C core's fixed arrays; the reference takes any)")
-
-
-def _check_loads_into_a_copy(key, opt, saved):
-    """A meta-optimizer's checkpoint loaded into a copy of it (a few small networks' tensors):
-    whatever torch's load would raise on (a missing 'state', a malformed entry) is raised here,
-    before the first write, and every state tensor must fit its parameter (torch's Adam would
-    load a misfit and fail at its next step)."""
-    trial = copy.deepcopy(opt)
-    try:
-        trial.load_state_dict(copy.deepcopy(saved))
-    except (KeyError, ValueError, TypeError, AttributeError, RuntimeError) as e:
-        raise ValueError(f"state_dict[{key!r}]: does not load ({type(e).__name__}: {e})") from None
-    for gi, group in enumerate(trial.param_groups):
-        for pi, p in enumerate(group["params"]):
-            for name, value in trial.state.get(p, {}).items():
-                if name != "step" and (not isinstance(value, torch.Tensor)
-                                       or value.shape != p.shape):
-                    shape = tuple(value.shape) if isinstance(value, torch.Tensor) else value
-                    raise ValueError(f"state_dict[{key!r}]: param_groups[{gi}]['params'][{pi}]: "
-                                     f"{name} is {shape!r}, the parameter {tuple(p.shape)}")
-
-
-def _check_float(name, value, low=0.0):
-    value = float(value)
-    if not (math.isfinite(value) and value >= low):
-        raise ValueError(f"{name} = {value}: must be finite and >= {low}")
-    return value
-
-
 _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
-# the control step and the CMS update compute in float32 (titanmac_c.AdamW also takes float64)
-_DNO_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _CURRENT = object()  # _update_meta_components' default: the current gradients' clip
 
-_COMPILED_PREFIX = "_orig_mod."  # torch.compile's wrapper names the wrapped module so
-
-
-def _uncompiled(module_state):
-    """A module state_dict with the keys of the plain module, saved with or without
-    use_compile=True (the reference's checkpoints of either kind load)."""
-    n = len(_COMPILED_PREFIX)
-    return type(module_state)((k[n:] if k.startswith(_COMPILED_PREFIX) else k, v)
-                              for k, v in module_state.items())
-
-
-def _check_grouped(groups, group_names, device):
-    """What the C core would refuse at the first step(), refused here with the parameter's name
-    (the reference accepts these and trains them with torch ops)."""
-    for group, names in zip(groups, group_names):
-        for p, name in zip(group["params"], names):
-            if is_dtensor(p):
-                raise TypeError(f"parameter {name!r}: a DTensor (FSDP2 / tensor parallel); the "
-                                "DeepNestedOptimizer's statistics, controller and CMS state are "
-                                "per model, so it takes plain parameters (DDP works); "
-                                "titanmac_c.AdamW steps sharded models")
-            if p.dtype not in _DNO_DTYPES:
-                raise BufferError(f"parameter {name!r}: dtype {p.dtype} is not supported (float32, "
-                                  "bfloat16, float16; e.g. model.float()); titanmac_c.AdamW "
-                                  "also steps float64 and complex models")
-            if p.device != device:
-                raise ValueError(f"parameter {name!r}: on {p.device}, the first parameter on "
-                                 f"{device}: the optimizer needs one device")
-            if p.layout != torch.strided or not p.is_contiguous():
-                raise BufferError(f"parameter {name!r}: not contiguous (e.g. channels_last: "
-                                  "model.to(memory_format=torch.contiguous_format))")
-
-
-class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin):
+class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin, CheckpointMixin):
     """Drop-in for titans_core.opt.DeepNestedOptimizer (constructor of spec 2.1)."""
 
     def __init__(self, model, base_lr=1e-3, meta_lr=1e-4, k_unroll=5, cms_frequencies=None,
@@ -223,11 +107,11 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin):
         if cms_frequencies is None:
             cms_frequencies = [1] if low_memory else [1, 10, 100]
         self.model = model
-        self.base_lr = _check_float("base_lr", base_lr)
-        self.meta_lr = _check_float("meta_lr", meta_lr)
-        self.k_unroll = _check_int("k_unroll", k_unroll, 0)  # read only by meta_update()
+        self.base_lr = check_float("base_lr", base_lr)
+        self.meta_lr = check_float("meta_lr", meta_lr)
+        self.k_unroll = check_int("k_unroll", k_unroll, 0)  # read only by meta_update()
         # read only in CMS mode (in AdamW mode kept as given, as the reference keeps it)
-        self.cms_frequencies = (_check_frequencies(cms_frequencies, fix_reference_bugs)
+        self.cms_frequencies = (check_frequencies(cms_frequencies, fix_reference_bugs)
                                 if use_cms_updates else cms_frequencies)
         # Off: the reference's learning behaviour, bugs included, so results reproduce. On: B1
         # (Phase 1 trains on the current gradient), B4 (DirectUpdateMLP starts at 0.1 * sign_g),
@@ -235,20 +119,20 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin):
         self.fix_reference_bugs = bool(fix_reference_bugs)
         # DirectUpdateMLP's initialisation writes its output weight [0, 1] (B4): width >= 2 (the
         # reference fails there with an IndexError)
-        self.momentum_hidden_dim = _check_int("momentum_hidden_dim", momentum_hidden_dim,
-                                              2 if use_preprocessing else 1)
+        self.momentum_hidden_dim = check_int("momentum_hidden_dim", momentum_hidden_dim,
+                                             2 if use_preprocessing else 1)
         # 0 layers: the reference's networks are then built as with 1 (no hidden layer)
-        self.momentum_num_layers = max(1, _check_int("momentum_num_layers",
-                                                     momentum_num_layers, 0))
-        self.controller_hidden_dim = _check_int("controller_hidden_dim", controller_hidden_dim, 1)
-        self.controller_num_layers = max(1, _check_int("controller_num_layers",
-                                                       controller_num_layers, 0))
+        self.momentum_num_layers = max(1, check_int("momentum_num_layers",
+                                                    momentum_num_layers, 0))
+        self.controller_hidden_dim = check_int("controller_hidden_dim", controller_hidden_dim, 1)
+        self.controller_num_layers = max(1, check_int("controller_num_layers",
+                                                      controller_num_layers, 0))
         self.use_gradient_checkpointing = bool(use_gradient_checkpointing)
         self.mode = mode
         # simple mode divides by it; explicit mode only sizes the meta trainer's window
-        self.meta_update_freq = _check_int("meta_update_freq", meta_update_freq,
-                                           1 if mode == "simple" else 0)
-        self.weight_decay = _check_float("weight_decay", weight_decay)
+        self.meta_update_freq = check_int("meta_update_freq", meta_update_freq,
+                                          1 if mode == "simple" else 0)
+        self.weight_decay = check_float("weight_decay", weight_decay)
         self.max_grad_norm = float(max_grad_norm)  # <= 0: no clipping; inf: coefficient 1
         if math.isnan(self.max_grad_norm):
             raise ValueError("max_grad_norm = nan: must be a number (<= 0 turns clipping off)")
@@ -257,20 +141,25 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin):
         self.use_preprocessing = bool(use_preprocessing)
         # accepted (the controller runs in C); checkpoints keep the compiled modules' key prefix
         self.use_compile = bool(use_compile)
-        self.controller_update_freq = _check_int("controller_update_freq",
-                                                 controller_update_freq, 1)
-        self.cuda_graph_warmup_steps = _check_int("cuda_graph_warmup_steps",
-                                                  cuda_graph_warmup_steps, 0)
-        _check_c_limits(self)
+        self.controller_update_freq = check_int("controller_update_freq",
+                                                controller_update_freq, 1)
+        self.cuda_graph_warmup_steps = check_int("cuda_graph_warmup_steps",
+                                                 cuda_graph_warmup_steps, 0)
+        check_c_limits(self)
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("model has no parameters that require gradients")
         self.device = params[0].device
         self.n_groups = N_GROUPS
+        group_names = self._build_objects(model)
+        self._init_step_state(model, group_names, use_gradient_checkpointing, use_cuda_graph)
 
-        # spec 2.1 objects, in the reference's order (CMS state only in CMS mode: B11 fixed)
+    def _build_objects(self, model):
+        """Spec 2.1's objects, in the reference's order (its networks draw their initial weights
+        from torch's random generator in that order; CMS state only in CMS mode: B11 fixed).
+        Returns the groups' parameter names."""
         groups, group_names = group_moe_params(model)
-        _check_grouped(groups, group_names, self.device)
+        check_grouped(groups, group_names, self.device)
         self._param_names = {p: name for group, names in zip(groups, group_names)
                              for p, name in zip(group["params"], names)}
         # model parameters outside the groups: their gradients count in the clip norm (spec 8);
@@ -289,7 +178,8 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin):
                                            num_layers=self.controller_num_layers,
                                            n_groups=N_GROUPS).to(self.device)
         self.meta_optimizer = torch.optim.Adam(
-            list(self.momentum_mlp.parameters()) + list(self.controller.parameters()), lr=meta_lr)
+            list(self.momentum_mlp.parameters()) + list(self.controller.parameters()),
+            lr=self.meta_lr)
         self.mlp_optimizer = (torch.optim.Adam(self.momentum_mlp.parameters(), lr=SURROGATE_LR)
                               if self.use_preprocessing else None)
         self.mlp_train_freq = SURROGATE_FREQ
@@ -310,6 +200,11 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin):
         self._last_surrogate_loss = None
         self._cms_scratch = Scratch()
         self._weight_views = {}  # module name -> (module, edit count, parameters, views)
+        return group_names
+
+    def _init_step_state(self, model, group_names, use_gradient_checkpointing, use_cuda_graph):
+        """What the steps keep: counters, the meta trainers, the groups' depths, and the device
+        buffers the C core reads and writes in place (fixed addresses: graph-safe)."""
         self.global_step = 0
         self.last_meta_loss = None
         self.controller_grad_norm = 0.0
@@ -326,8 +221,6 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin):
         depths = [sum(infer_param_depth(n, n_layers) for n in names) / len(names) if names
                   else 0.5 for names in group_names]
         self.group_depths = torch.tensor(depths, dtype=torch.float32, device=self.device)
-
-        # Device buffers the C core reads and writes in place (fixed addresses: graph-safe).
         f32 = dict(dtype=torch.float32, device=self.device)
         self._lr_multipliers = torch.ones(N_GROUPS, **f32)
         self.ema_loss = torch.zeros(N_GROUPS, **f32)
@@ -596,110 +489,3 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin):
         val_loss = float(val_loss)
         self.zero_grad(set_to_none=True)
         self._update_meta_components(val_loss, grad_scale=None)
-
-    # ------------------------------------------------------------------ Appendix A, checkpoints
-
-    def state_dict(self):
-        base = self.base_optimizer.state_dict()
-        if self._cms is None:
-            # the reference's AdamW groups hold base_lr * mu_g of the last step (one host read
-            # here); in CMS mode it never writes them: base_lr
-            for group, lr in zip(base["param_groups"], self.get_effective_lrs()):
-                group["lr"] = lr
-        sd = {
-            "base_optimizer": base,
-            "momentum_mlp": self._module_state(self.momentum_mlp),
-            "controller": self._module_state(self.controller),
-            "meta_optimizer": self.meta_optimizer.state_dict(),
-            "global_step": self.global_step,
-            "lr_multipliers": self._lr_multipliers.clone(),
-            "ema_loss": self.ema_loss.clone(),
-            "cms_state": self._cms.state_dict() if self._cms is not None else {},
-        }
-        if self.mlp_optimizer is not None:
-            sd["mlp_optimizer"] = self.mlp_optimizer.state_dict()
-        return sd
-
-    def _check_state_dict(self, state_dict):
-        """Everything load_state_dict would refuse after its first write, found before it: the
-        parts' keys, the modules' keys and shapes (loaded into copies), the meta-optimizers'
-        group sizes, the multipliers' and EMA's lengths, global_step, the CMS state. Returns
-        (multipliers, ema, global_step)."""
-        for key in ("base_optimizer", "momentum_mlp", "controller", "meta_optimizer"):
-            if key not in state_dict:
-                raise KeyError(f"DeepNestedOptimizer.load_state_dict: no {key!r} in the checkpoint")
-        for key, module in (("momentum_mlp", self.momentum_mlp), ("controller", self.controller)):
-            try:
-                copy.deepcopy(module).load_state_dict(_uncompiled(state_dict[key]))
-            except RuntimeError as e:
-                raise RuntimeError(f"state_dict[{key!r}]: {e}") from None
-        # base_optimizer is not checked here: its load (AdamW's: load pre-hooks, then every state
-        # tensor checked, then written) is the first write, and it writes only what it checked
-        optimizers = [("meta_optimizer", self.meta_optimizer)]
-        if self.mlp_optimizer is not None and "mlp_optimizer" in state_dict:
-            optimizers.append(("mlp_optimizer", self.mlp_optimizer))
-        for key, opt in optimizers:
-            saved = state_dict[key].get("param_groups", [])
-            if len(saved) != len(opt.param_groups) or any(
-                    len(s["params"]) != len(g["params"]) for s, g in zip(saved, opt.param_groups)):
-                raise ValueError(f"state_dict[{key!r}]: its parameter groups do not match this "
-                                 f"optimizer's (sizes {[len(s['params']) for s in saved]}, "
-                                 f"expected {[len(g['params']) for g in opt.param_groups]})")
-            _check_loads_into_a_copy(key, opt, state_dict[key])
-        values = []
-        for key, default in (("lr_multipliers", torch.ones(N_GROUPS)),
-                             ("ema_loss", torch.zeros(N_GROUPS))):
-            value = state_dict.get(key)
-            try:
-                value = default if value is None else torch.as_tensor(value, dtype=torch.float32)
-                if value.device.type == "meta":
-                    raise TypeError
-            except (TypeError, ValueError, RuntimeError):
-                raise ValueError(f"state_dict[{key!r}]: {value!r}, expected {N_GROUPS} "
-                                 "numbers") from None
-            if value.shape != (N_GROUPS,):
-                raise ValueError(f"state_dict[{key!r}]: shape {tuple(value.shape)}, expected "
-                                 f"({N_GROUPS},)")
-            values.append(value)
-        step = _as_int(state_dict.get("global_step", 0))
-        if step is None or step < 0:
-            raise ValueError(f"state_dict['global_step']: {state_dict.get('global_step')!r}, "
-                             "expected a whole number >= 0")
-        if self._cms is not None:
-            self._cms.check_state_dict(state_dict.get("cms_state", {}))
-        return values[0], values[1], step
-
-    def _module_state(self, module):
-        """The module's state_dict, keyed as the reference's: with use_compile=True its modules
-        are torch.compile wrappers, whose keys carry the _orig_mod. prefix."""
-        sd = module.state_dict()
-        if not self.use_compile:
-            return sd
-        return type(sd)((_COMPILED_PREFIX + k, v) for k, v in sd.items())
-
-    def load_state_dict(self, state_dict):
-        """Loads ours or the reference's layout. Every part is checked before the first write, so
-        a checkpoint that does not fit raises and leaves the optimizer as it was. Values are
-        copied into the existing device buffers (B10 fixed: nothing lands on the CPU, a captured
-        graph stays valid for the buffers, and is re-captured for the new AdamW state).
-        cms_state is ignored in AdamW mode (the reference's holds only zeros there)."""
-        mult, ema, step = self._check_state_dict(state_dict)
-        self.base_optimizer.load_state_dict(state_dict["base_optimizer"])  # checks, then writes
-        self.momentum_mlp.load_state_dict(_uncompiled(state_dict["momentum_mlp"]))
-        self.controller.load_state_dict(_uncompiled(state_dict["controller"]))
-        # deep copies: torch's load keeps a tensor already on the right device, so an in-memory
-        # state_dict would leave two optimizers stepping one Adam state
-        self.meta_optimizer.load_state_dict(copy.deepcopy(state_dict["meta_optimizer"]))
-        if self.mlp_optimizer is not None and "mlp_optimizer" in state_dict:
-            self.mlp_optimizer.load_state_dict(copy.deepcopy(state_dict["mlp_optimizer"]))
-        self.global_step = step
-        with torch.no_grad():
-            self._lr_multipliers.copy_(mult)
-            self.ema_loss.copy_(ema)
-        if self._cms is not None:
-            cms_state = state_dict.get("cms_state", {})
-            if not cms_state:  # AdamW mode's (ours saves {}): as the reference's all-zero one
-                self._cms.reset()
-            self._cms.load_state_dict(cms_state)
-        if self._graph is not None:
-            self._graph.reset()

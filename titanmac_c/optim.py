@@ -236,13 +236,14 @@ class AdamW(Optimizer):
             self._plan = Plan(self, batches[0])
 
     def _run_batch(self, batch, groups, lrs, lr, grad_scale, skip, zero_grads_on_skip, amp):
-        batch_lr = lr if lr is not None else self._hparams.lr_tensor(batch.device, lrs, batch.lr_dtype)
+        if lr is None:
+            lr = self._hparams.lr_tensor(batch.device, lrs, batch.lr_dtype)
         scale = grad_scale if grad_scale is not None else self._clip_coef.get(batch.device)
         loss_scale = None
         if amp is not None:
             loss_scale, found_inf = amp.inputs(batch.device)
             skip = found_inf if found_inf is not None else skip
-        self._run(batch, groups, batch_lr, scale, skip, zero_grads_on_skip, loss_scale)
+        self._run(batch, groups, lr, scale, skip, zero_grads_on_skip, loss_scale)
 
     def _planned_grads(self):
         """Every parameter's gradient (one device) through the cached plan, or None."""

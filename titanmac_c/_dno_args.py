@@ -1,0 +1,104 @@
+"""The DeepNestedOptimizer's constructor arguments and model, checked when the optimizer is built:
+what the reference would take and then fail on (or train with torch ops, which the C core does
+not run) is refused here with the argument's or the parameter's name."""
+
+import math
+import numbers
+
+import torch
+
+from . import _C
+from ._cms import level_frequencies
+from ._distributed import is_dtensor
+
+# the control step and the CMS update compute in float32 (titanmac_c.AdamW also takes float64)
+DNO_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def as_int(value):
+    """value as an int when it is a whole number (int, numpy integer, 100.0 from a JSON or
+    argparse config, a 1-element tensor), else None; bools are not numbers here."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_floating_point() and not value.isfinite().all():
+            return None
+        value = value.item()
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real) and math.isfinite(value) and float(value).is_integer():
+        return int(value)
+    return None
+
+
+def check_int(name, value, low):
+    """An int >= low; any whole number is accepted (the reference uses these in arithmetic)."""
+    whole = as_int(value)
+    if whole is None or whole < low:
+        raise ValueError(f"{name} = {value!r}: must be a whole number >= {low}")
+    return whole
+
+
+def check_frequencies(cms_frequencies, consistent):
+    """CMS mode: a non-empty sequence of whole numbers (a list, tuple, numpy array or tensor),
+    as a list of ints, whose levels fire at periods >= 1: level l every
+    cms_frequencies[1] ** l steps (B7; cms_frequencies[0] only divides level 0's sum, and may be
+    0 as in the reference), or every cms_frequencies[l] steps with consistent (B7 corrected)."""
+    try:
+        freqs = [as_int(f) for f in cms_frequencies]
+    except TypeError:
+        freqs = []
+    if not freqs or any(f is None or f < 0 for f in freqs):
+        raise ValueError(f"cms_frequencies = {cms_frequencies!r}: a non-empty list of whole "
+                         "numbers >= 0")
+    periods = level_frequencies(freqs, consistent)
+    if min(periods) < 1:
+        raise ValueError(f"cms_frequencies = {cms_frequencies!r}: level periods {periods}; each "
+                         "must be >= 1")
+    return freqs
+
+
+def check_c_limits(opt):
+    """The sizes the C core's fixed arrays take, checked when the optimizer is built (the
+    reference takes any). The momentum network runs only in CMS mode; the controller always."""
+    limits = [("controller_hidden_dim", opt.controller_hidden_dim, _C.DNO_MAX_HIDDEN),
+              ("controller_num_layers", opt.controller_num_layers, _C.DNO_MAX_LAYERS)]
+    if opt.use_cms_updates:
+        limits += [("len(cms_frequencies)", len(opt.cms_frequencies), _C.CMS_MAX_LEVELS),
+                   ("momentum_num_layers", opt.momentum_num_layers, _C.CMS_MAX_LAYERS)]
+        if not opt.use_preprocessing:  # the DirectUpdateMLP is capped at 20 as in the reference
+            limits.append(("momentum_hidden_dim", opt.momentum_hidden_dim,
+                           _C.CMS_LEGACY_MAX_HIDDEN))
+    for name, value, most in limits:
+        if value > most:
+            raise ValueError(f"{name} = {value}: titanmac_c takes at most {most} (the size of "
+                             "the C core's fixed arrays; the reference takes any)")
+
+
+def check_float(name, value, low=0.0):
+    value = float(value)
+    if not (math.isfinite(value) and value >= low):
+        raise ValueError(f"{name} = {value}: must be finite and >= {low}")
+    return value
+
+
+def check_grouped(groups, group_names, device):
+    """What the C core would refuse at the first step(), refused here with the parameter's name
+    (the reference accepts these and trains them with torch ops)."""
+    for group, names in zip(groups, group_names):
+        for p, name in zip(group["params"], names):
+            if is_dtensor(p):
+                raise TypeError(f"parameter {name!r}: a DTensor (FSDP2 / tensor parallel); the "
+                                "DeepNestedOptimizer's statistics, controller and CMS state are "
+                                "per model, so it takes plain parameters (DDP works); "
+                                "titanmac_c.AdamW steps sharded models")
+            if p.dtype not in DNO_DTYPES:
+                raise BufferError(f"parameter {name!r}: dtype {p.dtype} is not supported (float32, "
+                                  "bfloat16, float16; e.g. model.float()); titanmac_c.AdamW "
+                                  "also steps float64 and complex models")
+            if p.device != device:
+                raise ValueError(f"parameter {name!r}: on {p.device}, the first parameter on "
+                                 f"{device}: the optimizer needs one device")
+            if p.layout != torch.strided or not p.is_contiguous():
+                raise BufferError(f"parameter {name!r}: not contiguous (e.g. channels_last: "
+                                  "model.to(memory_format=torch.contiguous_format))")
