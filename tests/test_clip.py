@@ -160,7 +160,23 @@ def test_edge_cases_like_torch():
         titanmac_c.get_total_norm([p.grad, 3.0])  # torch: TypeError too
 
 
-@pytest.mark.parametrize("norm_type", [0.0, -1.0, -math.inf, math.nan])
+@pytest.mark.parametrize("norm_type", ["inf", "2", "1.5"])
+def test_norm_type_given_as_a_string_like_torch(norm_type):
+    """torch's clip functions take float(norm_type), and their docs name 'inf'."""
+    params_a, params_b = _pair("cpu")
+    ours = titanmac_c.clip_grad_norm_(params_a, 0.5, norm_type)
+    theirs = torch.nn.utils.clip_grad_norm_(params_b, 0.5, norm_type)
+    torch.testing.assert_close(ours, theirs, **_norm_tol(1.5))
+    _assert_grads(params_a, params_b)
+    grads = [p.grad for p in params_a]
+    torch.testing.assert_close(titanmac_c.get_total_norm(grads, norm_type),
+                               torch.nn.utils.get_total_norm(grads, norm_type), **_norm_tol(1.5))
+    opt = titanmac_c.AdamW(params_a)
+    torch.testing.assert_close(opt.clip_grad_norm_(0.5, norm_type),
+                               torch.nn.utils.get_total_norm(grads, norm_type), **_norm_tol(1.5))
+
+
+@pytest.mark.parametrize("norm_type", [0.0, -1.0, -math.inf, math.nan, "-inf", "nan"])
 def test_unsupported_norm_types_raise(norm_type):
     p = torch.nn.Parameter(torch.ones(3))
     p.grad = torch.ones(3)

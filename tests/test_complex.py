@@ -77,6 +77,48 @@ def test_clip_grad_norm_and_get_total_norm(device, dtype):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-7)
 
 
+def _conjugate_bit_grads(params, step):
+    """Gradients as autograd leaves them for a loss through x.conj(): tensors with the lazy
+    conjugate bit (their memory holds the conjugates of their values)."""
+    gen = torch.Generator().manual_seed(SEED + 500 + step)
+    for p in params:
+        p.grad = None
+        y = torch.randn(p.shape, dtype=p.dtype, generator=gen)
+        (p.conj() * y).real.sum().backward()
+        assert p.grad.is_conj() == p.is_complex()
+
+
+def test_gradients_with_the_conjugate_bit():
+    """torch's get_total_norm and clip_grad_norm_ (foreach=False) take them, and so do ours;
+    torch's AdamW refuses them, ours steps their values (against torch given resolved copies)."""
+    params_a = complex_params("cpu", torch.complex64)
+    params_b = clone_params(params_a)
+    _conjugate_bit_grads(params_a, 0)
+    for a, b in zip(params_a, params_b):
+        b.grad = a.grad.clone()
+    grads = [p.grad for p in params_a]
+    torch.testing.assert_close(titanmac_c.get_total_norm(grads),
+                               torch.nn.utils.get_total_norm(grads), rtol=1e-6, atol=0)
+    n_ours = titanmac_c.clip_grad_norm_(params_a, 0.5)
+    n_theirs = torch.nn.utils.clip_grad_norm_(params_b, 0.5, foreach=False)
+    torch.testing.assert_close(n_ours, n_theirs, rtol=1e-6, atol=0)
+    for a, b in zip(params_a, params_b):
+        assert a.grad.is_conj() == a.is_complex()  # scaled where it lies
+        torch.testing.assert_close(a.grad.resolve_conj(), b.grad.resolve_conj(), rtol=1e-6,
+                                   atol=1e-7)
+    ours = titanmac_c.AdamW(params_a, lr=1e-2, weight_decay=0.05)
+    theirs = torch.optim.AdamW(params_b, lr=1e-2, weight_decay=0.05, foreach=False)
+    for step in range(STEPS):
+        _conjugate_bit_grads(params_a, step)
+        for a, b in zip(params_a, params_b):
+            b.grad = a.grad.resolve_conj().clone()
+        assert float(ours.clip_grad_norm_(1.0)) > 1.0  # folded, over the memory's values
+        torch.nn.utils.clip_grad_norm_(params_b, 1.0)
+        ours.step()
+        theirs.step()
+    assert_adamw_runs_agree(ours, theirs, params_a, params_b)
+
+
 def test_other_norms_of_complex_tensors_are_refused_by_name():
     """torch's 1-norm and inf-norm of a complex tensor take |z| per element, which is not a norm
     of the real view: refused, nothing scaled."""

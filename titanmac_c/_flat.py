@@ -134,6 +134,15 @@ class Batch:
             self.grad_copies.append((name, grad, laid_out))
         return laid_out
 
+    def resolved_grad(self, name, grad):
+        """A complex gradient with the lazy conjugate bit (autograd leaves such) as a copy holding
+        its values, recorded as laid_out_grad records one (torch's AdamW refuses it)."""
+        if not grad.is_conj():
+            return grad
+        resolved = grad.resolve_conj()
+        self.grad_copies.append((name, grad, resolved))
+        return resolved
+
     def check_grads_storable(self):
         """Before a step that stores the gradients back (GradScaler's unscale): a gradient taken
         as a copy is written back after the C call, which an expanded one cannot take."""

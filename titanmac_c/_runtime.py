@@ -215,6 +215,14 @@ def real_view(t):
     return torch.view_as_real(t) if t.is_complex() else t
 
 
+def memory_real_view(t):
+    """real_view of the values in t's memory: a tensor with the lazy conjugate bit (autograd
+    leaves such gradients) as its conjugate, the same memory without the bit. Its 2-norm is
+    t's, and scaling it by a real factor scales t: good for norms and clipping, not for math
+    that needs the values' signs."""
+    return real_view(t.conj() if t.is_conj() else t)
+
+
 def compute_dtype(dtype):
     """The dtype of the norms, clip coefficients and learning rates the C core computes for tensors
     of (promoted) dtype `dtype`: float64 for float64, as torch computes those, else float32."""
@@ -223,4 +231,4 @@ def compute_dtype(dtype):
 
 __all__ = ["exec_kwargs", "mark_written", "norms_scratch", "Scratch", "reraise_with_names",
            "as_number", "is_one_number", "float_in_range", "compute_dtype", "real_view",
-           "COMPLEX_DTYPES", "_C"]
+           "memory_real_view", "COMPLEX_DTYPES", "_C"]

@@ -34,8 +34,8 @@ from ._runtime import (
     is_expanded,
     is_strided_only,
     mark_written,
+    memory_real_view,
     norms_scratch,
-    real_view,
     reraise_with_names,
 )
 
@@ -60,6 +60,11 @@ def _raise_if_nonfinite(total, norm_type):
 
 
 def _check_norm_type(norm_type) -> float:
+    if isinstance(norm_type, str):  # torch takes float(norm_type): its docs name 'inf'
+        try:
+            norm_type = float(norm_type)
+        except ValueError:
+            raise ValueError(f"norm_type = {norm_type!r}: expected a number") from None
     norm_type = as_number("norm_type", norm_type)
     if not (norm_type > 0.0):
         raise ValueError(f"norm_type = {norm_type}: titanmac_c supports p > 0 and inf")
@@ -182,7 +187,7 @@ def _real_views(label, tensors, norm_type):
                          f"tensors for the 2-norm only, not norm_type = {norm_type}")
     tensors = list(tensors)
     for i in complex_at:
-        tensors[i] = real_view(tensors[i])
+        tensors[i] = memory_real_view(tensors[i])
     return tensors
 
 

@@ -331,7 +331,7 @@ class AdamW(Optimizer):
                     # complex, as torch's) stepped by the real math. A Plan re-reads p.grad of
                     # the parameters it holds, so such a batch gets none.
                     batch.no_plan = True
-                    p, grad = real_view(p), real_view(grad)
+                    p, grad = real_view(p), real_view(batch.resolved_grad(name, grad))
                     tensors = {k: real_view(v) if isinstance(v, Tensor) else v
                                for k, v in tensors.items() if k in STATE_KEYS}
                     dtype = p.dtype
