@@ -206,6 +206,22 @@ def test_norm_functions_take_any_layout_like_torch(device, norm_type, strided):
         torch.testing.assert_close(po.grad, pr.grad, rtol=2e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_clip_scales_strided_gradients_that_require_grad(device):
+    """Gradients that are leaves requiring grad (create_graph=True leaves such): torch's clip
+    runs under no_grad and scales them all; so does ours, the strided ones by torch's ops."""
+    grads = _grads_in_layouts(device, strided=True)
+    ref = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    ours = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for pr, po, g, g_ours in zip(ref, ours, grads, _grads_in_layouts(device, strided=True)):
+        pr.grad, po.grad = g.requires_grad_(), g_ours.requires_grad_()
+    total_ref = torch.nn.utils.clip_grad_norm_(ref, 0.5)
+    torch.testing.assert_close(titanmac_c.clip_grad_norm_(ours, 0.5), total_ref, rtol=1e-6,
+                               atol=0)
+    for pr, po in zip(ref, ours):
+        torch.testing.assert_close(po.grad.detach(), pr.grad.detach(), rtol=2e-6, atol=1e-7)
+
+
 def test_group_norms_read_strided_tensors():
     """group_norms only reads: a strided slice and an expanded tensor go through a copy."""
     base = torch.randn(6, 8)

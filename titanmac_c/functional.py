@@ -157,9 +157,10 @@ def _scale_grads(device, positions, grads, coef, *written):
         dense = [i for i in range(len(grads)) if i not in strided]
         _call_named("parameters", [positions[i] for i in dense],
                     lambda ts: _C.scale_(ts, coef, **kwargs), [grads[i] for i in dense])
-        for i in strided:  # one rounding, as the C core scales: float32 math but for float64
-            factor = coef[0].to(compute_dtype(grads[i].dtype))
-            grads[i].copy_(grads[i].to(factor.dtype) * factor)
+        with torch.no_grad():  # as torch's clip: a gradient may be a leaf requiring grad
+            for i in strided:  # one rounding, as the C core scales: float32 math but float64
+                factor = coef[0].to(compute_dtype(grads[i].dtype))
+                grads[i].copy_(grads[i].to(factor.dtype) * factor)
     mark_written(grads, *written)
 
 
