@@ -865,6 +865,14 @@ def _bad_checkpoints(sd):
                 ("cms level a list", edit(lambda b: b["cms_state"][last].update({0: [1, 2]}))),
                 ("cms step_count a string", edit(lambda b: b["cms_state"][last][0].update(
                     step_count="3"))),
+                ("cms step_count beyond float32", edit(lambda b: b["cms_state"][last][0].update(
+                    step_count=10**40))),
+                ("cms step_count negative", edit(lambda b: b["cms_state"][last][0].update(
+                    step_count=-1))),
+                ("cms momentum sparse", edit(lambda b: b["cms_state"][first][0].update(
+                    momentum=torch.zeros(32, 10).to_sparse()))),
+                ("cms momentum complex", edit(lambda b: b["cms_state"][first][0].update(
+                    momentum=torch.zeros(32, 10, dtype=torch.complex64)))),
                 ("cms momentum on meta", edit(lambda b: b["cms_state"][last][0].update(
                     momentum=torch.zeros_like(b["cms_state"][last][0]["momentum"],
                                               device="meta"))))]

@@ -38,6 +38,7 @@ from ._surrogate import SurrogatePlan, surrogate_gradient
 
 CMS_BUFFERS = ("momentum", "accumulated_grad", "ema_grad", "v_sq")
 PHASE1_PLANS_KEPT = 4  # Phase 1 layouts whose SurrogatePlan is kept (CUDA's way)
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # where the fire counts are kept
 
 
 def kept(name, level):
@@ -129,12 +130,16 @@ class CMSState:
                     value = saved.get(name)
                     if value is None and name in ("momentum", "accumulated_grad"):
                         raise ValueError(f"cms_state[{i}][{level}]: no {name!r}")
-                    if value is not None and (not torch.is_tensor(value) or value.shape != shape
-                                              or value.device.type == "meta"):
+                    if value is not None and (
+                            not torch.is_tensor(value) or value.shape != shape
+                            or value.device.type == "meta" or value.layout != torch.strided
+                            or not value.is_floating_point()):
                         got = (type(value).__name__ if not torch.is_tensor(value) else
-                               f"{tuple(value.shape)} on {value.device}")
+                               f"{tuple(value.shape)} {value.dtype} {value.layout} on "
+                               f"{value.device}")
                         raise ValueError(f"cms_state[{i}][{level}][{name!r}]: {got}, expected a "
-                                         f"tensor of shape {tuple(shape)} with values")
+                                         f"dense floating tensor of shape {tuple(shape)} with "
+                                         "values")
 
     @torch.no_grad()
     def reset(self):
@@ -164,9 +169,13 @@ class CMSState:
 
 def _check_count(name, count):
     """A level's fire count as a checkpoint or a ContinuumMemoryState holds it: a number or a
-    one-element tensor with a value."""
-    if not is_one_number(count):
-        raise ValueError(f"{name}: {count!r}, expected a number")
+    one-element tensor with a value, >= 0 and within float32 (where it is kept)."""
+    try:
+        value = float(count) if is_one_number(count) else None
+    except (TypeError, ValueError, RuntimeError, OverflowError):
+        value = None
+    if value is None or not 0.0 <= value <= _FLOAT32_MAX:
+        raise ValueError(f"{name}: {count!r}, expected a number >= 0 (float32)")
 
 
 def _check_dict(name, value):
