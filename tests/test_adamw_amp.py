@@ -306,8 +306,7 @@ def test_loss_scale_refuses_what_it_cannot_write():
         inputs = {"lr": torch.full((1,), 0.1), "grad_scale": None, "skip": None,
                   "loss_scale": torch.full((1,), 2.0)}
         inputs[name] = grads[5:6]
-        with pytest.raises(ValueError, match=rf"^{name}: shares memory with grads\[0\], "
-                                             r"which it may write$"):
+        with pytest.raises(ValueError, match=rf"^{name}: shares memory with grads\[0\]$"):
             _C.adamw_step([q], [grads], [m2], [v2], [], [s2], inputs["lr"], hp,
                           grad_scale=inputs["grad_scale"], skip=inputs["skip"],
                           loss_scale=inputs["loss_scale"])

@@ -399,7 +399,7 @@ def test_mixed_amsgrad_groups_precheck_keeps_everything():
 
 
 @pytest.mark.parametrize("spoil, exc, match", [
-    (lambda p: setattr(p, "grad", p.detach()), ValueError, "share memory"),
+    (lambda p: setattr(p, "grad", p.detach()), ValueError, "shares memory"),
 ])
 def test_mixed_amsgrad_groups_precheck_covers_what_the_c_core_refuses(spoil, exc, match):
     """What the C core refuses in the second call (a non-contiguous gradient, a gradient that is
@@ -424,9 +424,9 @@ def _alias(key, other):
 
 
 @pytest.mark.parametrize("spoil, exc, match", [
-    (_alias("exp_avg_sq", "exp_avg"), ValueError, "must not share memory"),
-    (_alias("max_exp_avg_sq", "exp_avg_sq"), ValueError, "must not share memory"),
-    (_alias("exp_avg", "grad"), ValueError, "must not share memory"),
+    (_alias("exp_avg_sq", "exp_avg"), ValueError, "shares memory"),
+    (_alias("max_exp_avg_sq", "exp_avg_sq"), ValueError, "shares memory"),
+    (_alias("exp_avg", "grad"), ValueError, "shares memory"),
     (lambda opt, p: opt.state[p].__setitem__("step", torch.ones(2)), ValueError,
      "step must be a float32"),
     (lambda opt, p: opt.state[p].__setitem__("step", torch.ones(3, dtype=torch.float64)),
@@ -446,6 +446,54 @@ def test_mixed_amsgrad_groups_precheck_covers_corrupted_state(spoil, exc, match)
 
 
 # --------------------------------------------------------------- tensors sharing memory
+
+
+def _share_with_first(what):
+    """Puts one tensor of the second parameter's entry into the first parameter's memory: the C
+    core would update (or read) it while another thread writes the first."""
+    def spoil(opt, params):
+        p0, p1 = params[0], params[1]
+        if what == "exp_avg":  # shared state tensors (e.g. a checkpoint saved with them shared)
+            opt.state[p1]["exp_avg"] = opt.state[p0]["exp_avg"]
+        elif what == "grad":
+            p1.grad = p0.detach()
+        elif what == "step":
+            opt.state[p1]["step"] = p0.detach().view(-1)[3]
+        elif what == "exp_avg_sq_overlap":
+            buf = torch.zeros(2 * p0.numel())
+            opt.state[p0]["exp_avg_sq"] = buf[:p0.numel()].view_as(p0)
+            opt.state[p1]["exp_avg_sq"] = buf[1:p0.numel() + 1].view_as(p0)
+    return spoil
+
+
+@pytest.mark.parametrize("what, match", [
+    ("exp_avg", r"^exp_avg\[1\]: shares memory with exp_avg\[0\]"),
+    ("grad", r"^grads\[1\]: shares memory with params\[0\]"),
+    ("step", r"^step\[1\]: shares memory with params\[0\]"),
+    ("exp_avg_sq_overlap", r"^exp_avg_sq\[1\]: shares memory with exp_avg_sq\[0\]"),
+])
+@pytest.mark.parametrize("mixed_amsgrad", [False, True], ids=["one_call", "two_calls"])
+def test_tensors_of_different_parameters_sharing_memory_are_refused(what, match, mixed_amsgrad):
+    """Not only the tensors of one parameter: any tensor the step writes must not share memory
+    with another tensor of the call (torch's for-loop would update them one after the other; the
+    C core's threads at once, by timing). Refused before any write; with a second group of
+    another amsgrad (two C calls) the first call's group is left as it was too."""
+    params = [torch.nn.Parameter(torch.randn(4, 3)) for _ in range(3)]
+    first = [torch.nn.Parameter(torch.randn(5)) for _ in range(2)]
+    groups = [{"params": params}]
+    if mixed_amsgrad:
+        groups.insert(0, {"params": first, "amsgrad": True})
+    opt = titanmac_c.AdamW(groups, lr=0.1)
+    every = params + (first if mixed_amsgrad else [])
+    for p in every:
+        p.grad = torch.randn(p.shape)
+    opt.step()
+    _share_with_first(what)(opt, params)
+    if mixed_amsgrad:  # the Python precheck names the parameters and roles
+        match = (r"^param_groups\[1\]\['params'\]\[1\]: its \w+ shares memory with the \w+ of "
+                 r"param_groups\[1\]\['params'\]\[0\]$")
+    expect_refused(opt, every, ValueError, match)
+
 
 
 def test_parameters_sharing_memory_are_refused_views_of_one_buffer_are_not():

@@ -115,7 +115,7 @@ def _max_norm(args, kw, dev):
 def _alias(args, kw, dev):
     buf = torch.full((4,), 0.75, device=dev)
     args["mu"], args["lr"] = buf[0:2], buf[1:3]
-    return "mu: shares memory with lr"
+    return "lr: shares memory with mu"
 
 
 def _alias_weights(args, kw, dev):
@@ -131,7 +131,7 @@ def _previous_size(args, kw, dev):
 def _previous_alias(args, kw, dev):
     buf = torch.full((10,), 0.75, device=dev)
     args["ema"], kw["previous"] = buf[0:2], buf[1:9]
-    return "ema: shares memory with previous"
+    return "previous: shares memory with ema"
 
 
 CASES = [_numel, _count, _w_out, _out_bias, _weight_dtype, _mu_size, _ema_size, _depths_dtype,

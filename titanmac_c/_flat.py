@@ -152,9 +152,40 @@ class Batch:
                                    "elements on one memory location) and cannot be unscaled "
                                    "in place")
 
-    def precheck(self):
+    def precheck(self, grads_written=False):
         """With several C calls per step, a failure in a later call must not follow a completed
-        earlier one: check in Python what the C core would refuse, before any call."""
+        earlier one: check in Python what the C core would refuse, before any call.
+        grads_written: the call stores into the gradients (unscale, zero on skip)."""
+        self._precheck_entries()
+        self._precheck_disjoint(grads_written)
+
+    def _precheck_disjoint(self, grads_written):
+        """The C core's rule (tm_roles.c): no tensor the call writes shares memory with another
+        tensor of the call; tensors only read may share."""
+        spans = []
+        lists = [("param", self.params, True), ("gradient", self.grads, grads_written),
+                 ("exp_avg", self.exp_avgs, True), ("exp_avg_sq", self.exp_avg_sqs, True),
+                 ("step", self.steps, True)]
+        if self.amsgrad:
+            lists.append(("max_exp_avg_sq", self.max_exp_avg_sqs, True))
+        for role, tensors, written in lists:
+            for i, t in enumerate(tensors):
+                if t.numel():
+                    lo = t.data_ptr()
+                    spans.append((lo, lo + t.numel() * t.element_size(), written, role, i))
+        spans.sort(key=lambda s: s[0])
+        reach = reach_written = None
+        for span in spans:
+            other = reach if span[2] else reach_written
+            if other is not None and span[0] < other[1]:
+                raise ValueError(f"{self.names[span[4]]}: its {span[3]} shares memory with the "
+                                 f"{other[3]} of {self.names[other[4]]}")
+            if reach is None or span[1] > reach[1]:
+                reach = span
+            if span[2] and (reach_written is None or span[1] > reach_written[1]):
+                reach_written = span
+
+    def _precheck_entries(self):
         for i, p in enumerate(self.params):
             name = self.names[i]
             if not p.is_contiguous():
@@ -172,10 +203,6 @@ class Batch:
                 if t.layout != torch.strided or not t.is_contiguous():
                     raise BufferError(f"{name}: state or gradient not contiguous "
                                       f"(strides {t.stride()})")
-            # every tensor of the entry is written or read while others are written: distinct
-            if p.numel() and len({t.data_ptr() for t in tensors + [p]}) != len(tensors) + 1:
-                raise ValueError(f"{name}: the parameter, its gradient and its state tensors "
-                                 "must not share memory")
             step = self.steps[i]
             if (not isinstance(step, torch.Tensor) or step.dtype != torch.float32
                     or step.numel() != 1 or step.device != p.device):

@@ -222,8 +222,10 @@ class AdamW(Optimizer):
             return
         batches, new_state, groups, lrs = self._collect()
         if len(batches) > 1:
+            grads_written = (amp is not None and amp.loss_scale is not None
+                             or zero_grads_on_skip and skip is not None)
             for batch in batches:
-                batch.precheck()
+                batch.precheck(grads_written)
         if amp is not None and amp.loss_scale is not None:
             for batch in batches:
                 batch.check_grads_storable()

@@ -12,9 +12,11 @@
 
 enum {
     TM_ROLE_LONE = 1u,    /* one tensor, named without an index; skipped while not given */
-    TM_ROLE_WRITTEN = 2u, /* must be writable, must not share memory with another role */
+    TM_ROLE_WRITTEN = 2u, /* must be writable and share memory with no other tensor of the call */
     TM_ROLE_MATCH = 4u,   /* numel and dtype equal to the lead list's at the same index */
-    TM_ROLE_MATCH_NUMEL = 8u /* numel only (float32 state of params of any dtype) */
+    TM_ROLE_MATCH_NUMEL = 8u, /* numel only (float32 state of params of any dtype) */
+    TM_ROLE_STORED = 16u /* written by this call (no other tensor may share its memory), its
+                            writability checked by the op with its own message */
 };
 
 typedef struct {
@@ -32,7 +34,8 @@ tm_role tm_lone_role(const tm_tensor *t, const char *name, unsigned flags);
 tm_status tm_roles_structure(const tm_role *roles, int n);
 
 /* Per tensor, then across tensors: usable, one device (sets *ref), numel and dtype against the
- * lead list, writable, no aliasing between lists at one index. */
+ * lead list, writable, and no tensor the call writes sharing memory with any other tensor of the
+ * call (other lists, other indices, lone inputs; tensors only read may share). */
 tm_status tm_roles_check(const tm_role *roles, int n, tm_device_ref *ref);
 
 /* exec->scratch holds at least need bytes, 8-byte aligned (CPU partials are doubles). */

@@ -198,29 +198,15 @@ check_adamw_groups(const tm_adamw_args *args)
     return TM_OK;
 }
 
-/* Grads the call writes (zeros with zero_grads_on_skip, unscaled values with a loss_scale)
- * must be writable, and the lone inputs the blocks read must not lie inside one: CUDA blocks
- * writing their chunks would race with the blocks still reading them. */
+/* Grads the call writes (zeros with zero_grads_on_skip, unscaled values with a loss_scale) must
+ * be writable (named with what would be done to them); that nothing else of the call lies in
+ * their memory is tm_roles_check's (TM_ROLE_STORED). */
 static tm_status
-check_written_grads(const tm_tensor_list *grads, const tm_tensor *const *lone,
-                    const char *const *lone_names, int n_lone, const char *verb,
-                    const char *done)
+check_written_grads(const tm_tensor_list *grads, const char *done)
 {
     for (int32_t i = 0; i < grads->count; i++) {
-        const tm_tensor *g = &grads->tensors[i];
-        const char *a = g->data;
-        TM_CHECK((g->flags & TM_TENSOR_READ_ONLY) == 0, TM_ERR_BUFFER,
+        TM_CHECK((grads->tensors[i].flags & TM_TENSOR_READ_ONLY) == 0, TM_ERR_BUFFER,
                  "%s[%d]: read-only, cannot be %s", grads->name, (int)i, done);
-        for (int k = 0; k < n_lone; k++) {
-            const char *b = lone[k]->data;
-            if (!tm_tensor_given(lone[k]) || g->numel == 0) {
-                continue;
-            }
-            TM_CHECK(!(b < a + g->numel * (int64_t)tm_dtype_size(g->dtype) &&
-                       a < b + lone[k]->numel * (int64_t)tm_dtype_size(lone[k]->dtype)),
-                     TM_ERR_VALUE, "%s: shares memory with %s[%d], which it may %s",
-                     lone_names[k], grads->name, (int)i, verb);
-        }
     }
     return TM_OK;
 }
@@ -233,9 +219,12 @@ tm_validate_adamw(const tm_adamw_tensors *t, const tm_adamw_args *args, const tm
              "tm_adamw_step: tensors, args and inputs must not be NULL");
     TM_CHECK(exec != NULL, TM_ERR_INTERNAL, "exec is NULL");
     const unsigned state = TM_ROLE_WRITTEN | TM_ROLE_MATCH;
+    const int unscales = tm_tensor_given(&in->loss_scale);
+    const int zeroes = args->zero_grads_on_skip && tm_tensor_given(&in->skip);
     tm_role roles[ADAMW_ROLES] = {
         [ADAMW_PARAMS] = tm_list_role(&t->params, "params", TM_ROLE_WRITTEN),
-        [ADAMW_GRADS] = tm_list_role(&t->grads, "grads", TM_ROLE_MATCH),
+        [ADAMW_GRADS] = tm_list_role(&t->grads, "grads",
+                                     TM_ROLE_MATCH | (unscales || zeroes ? TM_ROLE_STORED : 0)),
         [ADAMW_EXP_AVG] = tm_list_role(&t->exp_avg, "exp_avg", state),
         [ADAMW_EXP_AVG_SQ] = tm_list_role(&t->exp_avg_sq, "exp_avg_sq", state),
         [ADAMW_MAX_EXP_AVG_SQ] = tm_list_role(&t->max_exp_avg_sq, "max_exp_avg_sq", state),
@@ -248,16 +237,8 @@ tm_validate_adamw(const tm_adamw_tensors *t, const tm_adamw_args *args, const tm
     TM_TRY(tm_roles_structure(roles, ADAMW_ROLES));
     TM_TRY(check_adamw_counts(roles, args));
     TM_TRY(tm_roles_check(roles, ADAMW_ROLES, ref));
-    if (tm_tensor_given(&in->loss_scale)) {
-        const tm_tensor *const lone[] = {&in->lr, &in->grad_scale, &in->skip, &in->loss_scale};
-        static const char *const names[] = {"lr", "grad_scale", "skip", "loss_scale"};
-        TM_TRY(check_written_grads(&roles[ADAMW_GRADS].list, lone, names, 4, "write",
-                                   "written"));
-    } else if (args->zero_grads_on_skip && tm_tensor_given(&in->skip)) {
-        const tm_tensor *const lone[] = {&in->skip};
-        static const char *const names[] = {"skip"};
-        TM_TRY(check_written_grads(&roles[ADAMW_GRADS].list, lone, names, 1, "zero",
-                                   "zeroed"));
+    if (unscales || zeroes) {
+        TM_TRY(check_written_grads(&roles[ADAMW_GRADS].list, unscales ? "written" : "zeroed"));
     }
     TM_TRY(check_steps(&roles[ADAMW_STEP].list));
     TM_TRY(check_adamw_groups(args));

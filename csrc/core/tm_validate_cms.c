@@ -9,9 +9,8 @@
  * Per-level lists are named "momentum[l]", "accumulated[l]", "ema[l]", "v_sq[l]" (by the binding;
  * the ema and v_sq lists may be empty: not kept, see titanmac.h;
  * these names are the defaults), so a message reads "momentum[1][3]: numel 10 does not match
- * params[3] numel 12" for level 1 of tensor 3. As for tm_adamw_step, aliasing is checked between
- * the lists at one index (tm_roles.c), not between a lone input (lr, loss, ...) or a weight and
- * the written state.
+ * params[3] numel 12" for level 1 of tensor 3. No written tensor may share memory with another
+ * tensor of the call (tm_roles.c: lists, indices, lone inputs and weights alike).
  */
 #include <math.h>
 

@@ -2,9 +2,9 @@
  * tm_validate_dno.c -- the argument checks of tm_dno_control (see tm_validate.h): the shared
  * tensor checks of tm_roles.c over its role table, then what only this op knows -- the sizes G,
  * H and L, the numel of every tensor against them (the controller's weights in the row-major
- * [out, in] layout of torch.nn.Linear), the host hyperparameters, and that no written tensor
- * shares memory with another tensor of the call (lone tensors are not covered by tm_roles.c's
- * per-index aliasing check, and a write through lr into mu would change what the step reads).
+ * [out, in] layout of torch.nn.Linear) and the host hyperparameters. That no written tensor
+ * shares memory with another tensor of the call (a write through lr into mu would change what
+ * the step reads) is tm_roles.c's.
  */
 #include <math.h>
 
@@ -98,33 +98,6 @@ check_dno_hparams(const tm_dno_control_args *a)
     return TM_OK;
 }
 
-static int
-overlaps(const tm_tensor *x, const tm_tensor *y)
-{
-    const char *a = x->data;
-    const char *b = y->data;
-    return x->numel > 0 && y->numel > 0 && a < b + y->numel * 4 && b < a + x->numel * 4;
-}
-
-/* Every written tensor against every other tensor of the call (all float32 by now). */
-static tm_status
-check_dno_overlap(const tm_role *roles)
-{
-    char label[TM_LABEL_TEXT];
-    for (int k = DNO_MU; k < DNO_ROLES; k++) {
-        const tm_tensor *x = roles[k].list.tensors;
-        for (int j = 0; j < DNO_ROLES; j++) {
-            const tm_tensor_list *l = &roles[j].list;
-            for (int32_t i = 0; j != k && i < l->count; i++) {
-                TM_CHECK(!overlaps(x, &l->tensors[i]), TM_ERR_VALUE, "%s: shares memory with %s",
-                         roles[k].list.name,
-                         tm_label(l->name, j == DNO_WEIGHTS ? i : TM_NO_INDEX, label));
-            }
-        }
-    }
-    return TM_OK;
-}
-
 tm_status
 tm_validate_dno_control(const tm_dno_control_tensors *t, const tm_dno_control_args *args,
                         const tm_exec *exec, tm_device_ref *ref)
@@ -152,6 +125,5 @@ tm_validate_dno_control(const tm_dno_control_tensors *t, const tm_dno_control_ar
     TM_TRY(check_dno_numels(roles, args->num_groups));
     TM_TRY(check_dno_weights(&roles[DNO_WEIGHTS].list, args));
     TM_TRY(check_dno_hparams(args));
-    TM_TRY(check_dno_overlap(roles));
     return tm_check_scratch(exec, 0);
 }

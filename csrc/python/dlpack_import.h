@@ -70,12 +70,6 @@ int py_import_optional(py_batch *b, PyObject *obj, const char *name, tm_tensor *
 int py_import_list(py_batch *b, PyObject *seq, const char *name, int allow_none,
                    tm_tensor_list *out);
 
-/* py_import_list for a list the call writes: its tensors must not overlap one another (the core
- * updates different tensors at once, on threads or CUDA blocks, so two entries on one memory
- * race where torch's ops update them one after the other); ValueError
- * "<name>[j]: shares memory with <name>[i]" (j > i) otherwise. */
-int py_import_disjoint_list(py_batch *b, PyObject *seq, const char *name, tm_tensor_list *out);
-
 /* The exchange table objects of this type are read through, or NULL (none, or the intake mode is
  * "protocol"). Cached per type. Never fails. */
 const DLPackExchangeAPI *py_exchange_api(py_state *st, PyTypeObject *type);

@@ -152,7 +152,7 @@ import_cms(py_batch *b, PyObject *const o[10], PyObject *const opt[3], tm_cms_te
            tm_cms_inputs *in, Py_ssize_t *k)
 {
     tm_tensor_list *levels[4] = {t->momentum, t->accumulated, t->ema, t->v_sq};
-    if (py_import_disjoint_list(b, o[0], "params", &t->params) < 0 ||
+    if (py_import_list(b, o[0], "params", 0, &t->params) < 0 ||
         py_import_list(b, o[1], "grads", 0, &t->grads) < 0) {
         return -1;
     }

@@ -11,14 +11,11 @@
 
 /* ---------------------------------------------------------------- AdamW ---- */
 
-/* written_grads: grads the call stores into (a loss_scale given), which must then be disjoint
- * as the params are. */
 static int
-import_adamw_lists(py_batch *b, PyObject *const lists[6], int written_grads, tm_adamw_tensors *t)
+import_adamw_lists(py_batch *b, PyObject *const lists[6], tm_adamw_tensors *t)
 {
-    return py_import_disjoint_list(b, lists[0], "params", &t->params) < 0 ||
-                   (written_grads ? py_import_disjoint_list(b, lists[1], "grads", &t->grads)
-                                  : py_import_list(b, lists[1], "grads", 0, &t->grads)) < 0 ||
+    return py_import_list(b, lists[0], "params", 0, &t->params) < 0 ||
+                   py_import_list(b, lists[1], "grads", 0, &t->grads) < 0 ||
                    py_import_list(b, lists[2], "exp_avg", 0, &t->exp_avg) < 0 ||
                    py_import_list(b, lists[3], "exp_avg_sq", 0, &t->exp_avg_sq) < 0 ||
                    py_import_list(b, lists[4], "max_exp_avg_sq", 1, &t->max_exp_avg_sq) < 0 ||
@@ -51,7 +48,7 @@ py_adamw_step(PyObject *module, PyObject *args, PyObject *kwargs)
     tm_status status = TM_OK;
     int ran = 0;
     py_batch_init(&b, py_get_state(module));
-    if (import_adamw_lists(&b, l, loss_scale != Py_None, &t) < 0 ||
+    if (import_adamw_lists(&b, l, &t) < 0 ||
         py_import(&b, lr, "lr", -1, 0, &in.lr, NULL, NULL) < 0 ||
         py_import_optional(&b, grad_scale, "grad_scale", &in.grad_scale) < 0 ||
         py_import_optional(&b, skip, "skip", &in.skip) < 0 ||
@@ -82,7 +79,7 @@ py_adamw_scratch_bytes(PyObject *module, PyObject *args, PyObject *kwargs)
     tm_adamw_tensors t;
     PyObject *result = NULL;
     py_batch_init(&b, py_get_state(module));
-    if (import_adamw_lists(&b, l, 0, &t) == 0) {
+    if (import_adamw_lists(&b, l, &t) == 0) {
         result = PyLong_FromSize_t(tm_adamw_scratch_bytes(&t));
     }
     py_batch_release(&b);
@@ -203,7 +200,7 @@ py_scale(PyObject *module, PyObject *args, PyObject *kwargs)
     tm_status status = TM_OK;
     int ran = 0;
     py_batch_init(&b, py_get_state(module));
-    if (py_import_disjoint_list(&b, tensors, "tensors", &t) < 0 ||
+    if (py_import_list(&b, tensors, "tensors", 0, &t) < 0 ||
         py_import(&b, scale, "scale", -1, 0, &s, NULL, NULL) < 0 ||
         py_setup_call(&b, py_first_or(&t, &s), num_threads, stream, Py_None, 0, "", &c) < 0) {
         goto done;
