@@ -200,19 +200,24 @@ def _assert_models_match(pairs, step):
     for (name, pt), po in zip(model_t.named_parameters(), model_o.parameters()):
         torch.testing.assert_close(po, pt, rtol=1e-6, atol=1e-7,
                                    msg=lambda m: f"step {step} {name}: {m}")
-        for key in ("exp_avg", "exp_avg_sq"):
+        assert (po in opt_o.state) == (pt in opt_t.state)  # never stepped: no state in either
+        for key in ("exp_avg", "exp_avg_sq") if pt in opt_t.state else ():
             torch.testing.assert_close(opt_o.state[po][key], opt_t.state[pt][key],
                                        rtol=1e-6, atol=1e-9)
 
 
 @pytest.mark.parametrize("clear", ["model_zero_grad", "model_zero_grad_in_place",
-                                   "grads_to_none", "grads_assigned"])
+                                   "grads_to_none", "grads_assigned", "bias_assigned",
+                                   "weight_assigned", "bias_to_none"])
 def test_a_pending_clip_goes_with_its_gradients_like_torchs(clear):
     """torch's clip scales the gradients in place, so its effect goes with them: clip, skip the
     step, clear the gradients some other way than the optimizer's zero_grad(), then a backward
     and a step: the new gradients are not clipped. Ours dropped the pending coefficient only in
     its own zero_grad() and applied the stale one (a batch skipped for its huge norm left a tiny
-    coefficient on the next step). Several steps, first through the full path then the plan's."""
+    coefficient on the next step). Several steps, first through the full path then the plan's.
+    Some gradients replaced, the others kept: those stay clipped, as torch's do, and the new
+    ones are not (ours watched only the first gradient and applied the stale coefficient to a
+    new second one)."""
     pairs = []
     for cls in (torch.optim.AdamW, titanmac_c.AdamW):
         torch.manual_seed(0)
@@ -233,10 +238,15 @@ def test_a_pending_clip_goes_with_its_gradients_like_torchs(clear):
             elif clear == "grads_to_none":
                 for p in model.parameters():
                     p.grad = None
+            elif clear == "bias_to_none":
+                model.bias.grad = None
             if clear == "grads_assigned":
                 for p in model.parameters():
                     p.grad = torch.full_like(p, 0.5)
-            else:
+            elif clear in ("bias_assigned", "weight_assigned"):
+                p = model.bias if clear == "bias_assigned" else model.weight
+                p.grad = torch.full_like(p, 0.5)
+            elif clear != "bias_to_none":
                 ((model(x) - y) ** 2).mean().backward()
             opt.step()
             opt.zero_grad()

@@ -36,42 +36,48 @@ def in_layout_of(t, p):
 
 
 class GradientMark:
-    """Whether the gradients are still the ones of a given moment: the first grouped gradient
-    with a version counter, held by weak reference (a held gradient would stay alive through
+    """Whether the gradients are still the ones of a given moment: every grouped gradient with
+    a version counter, held by weak reference (a held gradient would stay alive through
     zero_grad() and the next backward), and its version. A new backward, a zero_grad() (to None
-    or in place) or a gradient assigned anew changes the first gradient as it changes all."""
+    or in place), a gradient assigned anew or edited in place changes what it marks."""
 
-    __slots__ = ("param", "grad", "version")
+    __slots__ = ("marks",)
 
-    def __init__(self, param, grad):
-        self.param, self.grad, self.version = param, weakref.ref(grad), grad._version
+    def __init__(self, marks):
+        self.marks = marks  # [(param, weakref to its grad, version)]
 
     @classmethod
     def of(cls, param_groups):
         """The mark of the groups' current gradients, or None when none can be marked (no
         gradient, or only inference tensors, which keep no version)."""
-        for group in param_groups:
-            for p in group["params"]:
-                g = p.grad
-                if g is not None and not g.is_inference():
-                    return cls(p, g)
-        return None
+        marks = [(p, weakref.ref(g), g._version) for group in param_groups
+                 for p in group["params"]
+                 for g in (p.grad,) if g is not None and not g.is_inference()]
+        return cls(marks) if marks else None
+
+    @staticmethod
+    def _kept(mark):
+        p, ref, version = mark
+        g = ref()
+        return g is not None and p.grad is g and g._version == version
 
     def holds(self):
-        g = self.grad()
-        return g is not None and self.param.grad is g and g._version == self.version
+        return all(map(self._kept, self.marks))
+
+    def kept_gradients(self):
+        """The marked gradients still in place, unchanged (after holds() was False: those the
+        others' change left as they were)."""
+        return [m[1]() for m in self.marks if self._kept(m)]
 
     def __reduce__(self):
         # pickle and deepcopy: a weak reference cannot be pickled, and the copy's gradients are
         # not the ones marked (torch copies a Parameter without its .grad): a mark that no
         # longer holds
-        return _lapsed_mark, (self.param, self.version)
+        return _lapsed_mark, ([(p, v) for p, _, v in self.marks],)
 
 
-def _lapsed_mark(param, version):
-    mark = GradientMark.__new__(GradientMark)
-    mark.param, mark.grad, mark.version = param, _gone, version
-    return mark
+def _lapsed_mark(marks):
+    return GradientMark([(p, _gone, v) for p, v in marks])
 
 
 def _gone():

@@ -26,6 +26,7 @@ from ._amp import AmpScaling
 from ._distributed import dtensor_type, localize, refuse_plain_with_dtensor
 from ._flat import Batch, GradientMark, Plan, in_layout_of
 from ._folded_clip import folded_clip
+from .functional import _scale_grads
 from ._runtime import (
     COMPLEX_DTYPES,
     SUPPORTED_DTYPES,
@@ -33,6 +34,7 @@ from ._runtime import (
     check_supported_dtype,
     exec_kwargs,
     mark_written,
+    memory_real_view,
     real_view,
     reraise_with_names,
 )
@@ -213,10 +215,7 @@ class AdamW(Optimizer):
 
     def _fused_step_impl(self, lr, grad_scale, skip, zero_grads_on_skip, amp):
         if self._clip_coef and self._clip_mark is not None and not self._clip_mark.holds():
-            # the clipped gradients are gone (zeroed, replaced or accumulated onto by another
-            # backward, e.g. model.zero_grad() after a skipped batch): torch's clip scaled those
-            # in place, so the gradients of this step are not clipped
-            self._clip_coef = {}
+            self._apply_clip_to_kept_gradients()
         args = (lr, grad_scale, skip, zero_grads_on_skip, amp)
         if self._planned_step(*args):
             return
@@ -236,6 +235,18 @@ class AdamW(Optimizer):
         n_params = sum(len(g["params"]) for g in self.param_groups)
         if len(batches) == 1 and len(batches[0].params) == n_params and not batches[0].no_plan:
             self._plan = Plan(self, batches[0])
+
+    def _apply_clip_to_kept_gradients(self):
+        """Some of the clipped gradients are gone (zeroed, replaced, or accumulated onto by
+        another backward, e.g. model.zero_grad() after a skipped batch): torch's clip scaled
+        them in place, so what replaced them is not clipped, while the gradients left as they
+        were stay clipped. So those are scaled now, in place, and the step takes no
+        coefficient."""
+        (device, coef), = self._clip_coef.items()
+        self._clip_coef = {}
+        kept = [memory_real_view(g) for g in self._clip_mark.kept_gradients()]
+        if kept:
+            _scale_grads(device, list(range(len(kept))), kept, coef)
 
     def _run_batch(self, batch, groups, lrs, lr, grad_scale, skip, zero_grads_on_skip, amp):
         if lr is None:
