@@ -335,10 +335,12 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin, CheckpointMixin):
         """The GradientMark of the gradients after a step that clips: the reference clips .grad
         in place, ours scales only as the update loads it, so a later direct
         _update_meta_components applies the coefficient while these are still the step's
-        gradients (no backward since)."""
+        gradients (no backward since). The first gradient only (of_first): this runs every step
+        for a rare path whose worst case is the meta statistics of one call, where watching
+        every gradient would cost every step ~0.5 us a tensor."""
         if self.max_grad_norm <= 0:
             return None
-        return GradientMark.of(self.base_optimizer.param_groups)
+        return GradientMark.of_first(self.base_optimizer.param_groups)
 
     def _clip_of_current_gradients(self):
         """The clip coefficient the reference's in-place clip would have left on the current
