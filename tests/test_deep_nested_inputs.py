@@ -153,6 +153,46 @@ def test_nan_in_an_ungrouped_gradient_skips_the_step(device, kw):
         assert torch.equal(p.detach(), b)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kw", MODES, ids=MODE_IDS)
+def test_a_model_frozen_at_construction_steps_as_the_references(device, kw):
+    """Every parameter frozen when the optimizer is built: the reference builds empty groups and
+    its steps still run the controller (its multipliers and loss EMA move); a layer unfrozen later
+    counts in the clip norm and is never updated. Checkpoints load both ways."""
+    torch.manual_seed(0)
+    model = PartlyFrozen().to(device)
+    model.lin.requires_grad_(False)
+    (model_r, ref), (model_o, ours) = reference_and_ours(model, **kw)
+    assert [len(g["params"]) for g in ours.param_groups] == [0, 0]
+    before = [p.detach().clone() for p in model_o.parameters()]
+    for step in range(1, 7):
+        if step == 4:
+            for m in (model_r, model_o):
+                m.frozen.requires_grad_(True)
+        if step >= 4:
+            _set(model_r, _grads(model_r, step))
+            _set(model_o, _grads(model_o, step))
+        loss = 0.5 + 0.1 * step
+        res_r = ref.step(loss)
+        ours.step(loss)
+        torch.testing.assert_close(ours.get_lr_multipliers(), ref.get_lr_multipliers(),
+                                   rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(ours.ema_loss, ref.ema_loss, rtol=1e-6, atol=0)
+        assert ours.global_step == ref.global_step == step
+        assert float(ours.skipped) == 0.0 and not res_r.get("skipped")
+    for p, b in zip(model_o.parameters(), before):
+        assert torch.equal(p.detach(), b)
+    assert float(ours._norms[-1]) > 0  # the unfrozen layer's gradients were normed
+    ref.load_state_dict(_roundtrip(ours.state_dict()))
+    ours.load_state_dict(_roundtrip(ref.state_dict()))
+    assert ours.global_step == 6
+
+
+def test_a_model_without_parameters_is_refused():
+    with pytest.raises(ValueError, match="model has no parameters"):
+        titanmac_c.DeepNestedOptimizer(torch.nn.ReLU())
+
+
 def test_ungrouped_gradient_the_c_core_cannot_take_is_named():
     model = PartlyFrozen()
     opt = titanmac_c.DeepNestedOptimizer(model)

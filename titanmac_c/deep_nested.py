@@ -146,10 +146,12 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin, CheckpointMixin):
         self.cuda_graph_warmup_steps = check_int("cuda_graph_warmup_steps",
                                                  cuda_graph_warmup_steps, 0)
         check_c_limits(self)
-        params = [p for p in model.parameters() if p.requires_grad]
-        if not params:
-            raise ValueError("model has no parameters that require gradients")
-        self.device = params[0].device
+        # the reference's device: the first parameter's, frozen or not (a model with every
+        # parameter frozen gets empty groups and steps nothing, as the reference's)
+        first = next(model.parameters(), None)
+        if first is None:
+            raise ValueError("model has no parameters")
+        self.device = first.device
         self.n_groups = N_GROUPS
         group_names = self._build_objects(model)
         self._init_step_state(model, group_names, use_gradient_checkpointing, use_cuda_graph)
