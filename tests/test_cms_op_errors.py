@@ -182,6 +182,8 @@ KEYWORD_CASES = [
                  "divisors\\[1\\] = 0.5: must be finite and >= 1"),
     _bad_keyword("net_name", "net", "lstm",
                  "net: expected 'direct' or 'legacy', got 'lstm'"),
+    _bad_keyword("net_name_with_nul", "net", "direct\0x",
+                 "net: expected 'direct' or 'legacy', got 'direct\\\\x00x'"),
     _bad_keyword("ema_decay", "ema_decays", [1.5, 0.999, 0.9999],
                  "ema_decays\\[0\\] = 1.5: must be in \\[0, 1\\]"),
     _bad_keyword("beta2", "beta2", 1.5,

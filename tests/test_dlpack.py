@@ -166,3 +166,47 @@ def test_classes_made_at_run_time_are_not_kept_alive():
     for _ in range(3):
         t = torch.arange(5.0).as_subclass(Sub)
         assert _C._import(t)["data"] == t.data_ptr()
+
+
+class _SwapsStorage:
+    """A number whose float() moves `tensor` to new memory (`set_`), as Python code run while a
+    call parses its arguments could: the call must read every number before it imports a
+    tensor, or it steps the old memory, freed by then (the process crashed so before)."""
+
+    def __init__(self, value, tensor):
+        self.value, self.tensor = value, tensor
+
+    def __float__(self):
+        self.tensor.set_(self.tensor.detach().clone())
+        return self.value
+
+
+def test_adamw_reads_its_numbers_before_importing_a_tensor():
+    p, g = torch.ones(6), torch.full((6,), 0.5)
+    m, v, step = torch.zeros(6), torch.zeros(6), torch.zeros(())
+    old = p.untyped_storage().data_ptr()
+    hp = [(_SwapsStorage(0.9, p), 0.999, 1e-8, 0.0, False)]
+    _C.adamw_step([p], [g], [m], [v], [], [step], torch.full((1,), 0.1), hp)
+    assert p.untyped_storage().data_ptr() != old
+    ref = torch.ones(6, requires_grad=True)
+    opt = torch.optim.AdamW([ref], lr=0.1, weight_decay=0.0)
+    ref.grad = torch.full((6,), 0.5)
+    opt.step()
+    torch.testing.assert_close(p, ref.detach(), rtol=0, atol=0)  # the memory p holds now
+
+
+def test_cms_reads_its_numbers_before_importing_a_tensor():
+    """Same for cms_step's per-level numbers (the divisors here)."""
+    import copy
+    from test_cms_op_errors import ORDER, _valid
+    args, kw = _valid()
+    twin = copy.deepcopy(args)
+    p = args["params"][2]
+    before, old = p.clone(), p.untyped_storage().data_ptr()
+    _C.cms_step(*[twin[k] for k in ORDER], **kw)
+    kw["divisors"] = [1.0, _SwapsStorage(10.0, p), 100.0]
+    _C.cms_step(*[args[k] for k in ORDER], **kw)
+    assert p.untyped_storage().data_ptr() != old
+    assert not torch.equal(twin["params"][2], before)  # the step moved it
+    for a, b in zip(args["params"], twin["params"]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

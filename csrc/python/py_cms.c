@@ -106,12 +106,13 @@ parse_level_numbers(PyObject *const seqs[3], Py_ssize_t k, tm_cms_args *a)
 static int
 parse_net(PyObject *obj, tm_cms_net *net)
 {
-    const char *s = PyUnicode_Check(obj) ? PyUnicode_AsUTF8(obj) : NULL;
-    if (s != NULL && strcmp(s, "direct") == 0) {
+    Py_ssize_t n = 0; /* compared with its length: 'direct\0x' is not 'direct' */
+    const char *s = PyUnicode_Check(obj) ? PyUnicode_AsUTF8AndSize(obj, &n) : NULL;
+    if (s != NULL && n == 6 && strcmp(s, "direct") == 0) {
         *net = TM_CMS_DIRECT;
         return 0;
     }
-    if (s != NULL && strcmp(s, "legacy") == 0) {
+    if (s != NULL && n == 6 && strcmp(s, "legacy") == 0) {
         *net = TM_CMS_LEGACY;
         return 0;
     }
@@ -202,7 +203,10 @@ py_cms_step(PyObject *module, PyObject *args, PyObject *kwargs)
     PyObject *const opt[3] = {req[9], grad_scale, skip};
     memset(&t, 0, sizeof t);
     py_batch_init(&b, py_get_state(module));
-    if (import_cms(&b, o, opt, &t, &in, &k) < 0 || parse_level_numbers(req, k, &a) < 0 ||
+    /* the numbers first: their conversions (__bool__, __float__) may run Python code, which
+     * must not run once a tensor is imported (it could resize that tensor's storage) */
+    if (level_count(o[2], role_names[0], "lists of tensors", &k) < 0 ||
+        parse_level_numbers(req, k, &a) < 0 || import_cms(&b, o, opt, &t, &in, &k) < 0 ||
         py_parse_ints(&b, o[8], "group_of", t.params.count, "params", &a.group_of) < 0) {
         goto done;
     }

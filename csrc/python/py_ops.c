@@ -48,12 +48,13 @@ py_adamw_step(PyObject *module, PyObject *args, PyObject *kwargs)
     tm_status status = TM_OK;
     int ran = 0;
     py_batch_init(&b, py_get_state(module));
-    if (import_adamw_lists(&b, l, &t) < 0 ||
+    /* the groups first: float() of an entry may run Python code, which must not run once a
+     * tensor is imported (it could resize that tensor's storage) */
+    if (py_parse_groups(&b, groups, &a) < 0 || import_adamw_lists(&b, l, &t) < 0 ||
         py_import(&b, lr, "lr", -1, 0, &in.lr, NULL, NULL) < 0 ||
         py_import_optional(&b, grad_scale, "grad_scale", &in.grad_scale) < 0 ||
         py_import_optional(&b, skip, "skip", &in.skip) < 0 ||
         py_import_optional(&b, loss_scale, "loss_scale", &in.loss_scale) < 0 ||
-        py_parse_groups(&b, groups, &a) < 0 ||
         py_parse_ints(&b, group_of, "group_of", t.params.count, "params", &a.group_of) < 0 ||
         py_setup_call(&b, py_first_or(&t.params, &in.lr), num_threads, stream, scratch,
                       tm_adamw_scratch_bytes(&t), "adamw_scratch_bytes", &c) < 0) {
