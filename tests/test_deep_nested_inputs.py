@@ -272,6 +272,8 @@ def _assert_acts_as_ints(as_ints, given):
     (dict(momentum_hidden_dim=np.float32(16.5)), ValueError, "momentum_hidden_dim"),
     (dict(meta_update_freq=math.inf), ValueError, "meta_update_freq"),
     (dict(max_grad_norm=math.nan), ValueError, "max_grad_norm = nan"),
+    (dict(base_lr=1e300), ValueError, r"base_lr = 1e\+300: base_lr \* mu_max = 2e\+300 is "
+                                      "beyond float32's range"),
     # DirectUpdateMLP's initialisation needs width 2 (the reference: IndexError); legacy: 1 is ok
     (dict(momentum_hidden_dim=1), ValueError,
      "momentum_hidden_dim = 1: must be a whole number >= 2"),
@@ -430,6 +432,25 @@ def test_a_refused_step_changes_nothing_and_names_its_parameter(kw, at, spoil, e
     _set(twin, g)
     _assert_untouched_then_alike(model, opt, twin, clean, (params_before, state_before), at)
     _assert_same(_roundtrip(opt.state_dict()), _roundtrip(clean.state_dict()))
+
+
+@pytest.mark.parametrize("kw", MODES, ids=MODE_IDS)
+def test_a_base_lr_beyond_float32_set_mid_run_is_refused_before_anything_changes(kw):
+    """The rates base_lr * mu live in float32: a base_lr assigned later whose rate would be inf
+    there is refused by the control op (the parameters would turn inf/NaN), the step undone."""
+    model, opt, twin, clean = _twin_optimizers(kw)
+    for step in range(1, 4):
+        _step_all(step, (model, opt), (twin, clean))
+    params_before, state_before = _snapshot(model, opt)
+    g = _grads(model, 4)
+    _set(model, g)
+    opt.base_lr = 2e38
+    with pytest.raises(ValueError, match=r"^base_lr = 2e\+38: base_lr \* mu_max = 4e\+38 is "
+                                         r"beyond float32's range$"):
+        opt.step(0.5)
+    opt.base_lr = clean.base_lr
+    _set(twin, g)
+    _assert_untouched_then_alike(model, opt, twin, clean, (params_before, state_before), 4)
 
 
 def _fail_the_update(opt, p):

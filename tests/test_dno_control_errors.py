@@ -97,6 +97,11 @@ def _base_lr(args, kw, dev):
     return "base_lr = -1: must be finite and >= 0"
 
 
+def _base_lr_beyond_float32(args, kw, dev):
+    kw["base_lr"], kw["mu_max"] = 1e38, 4.0
+    return "base_lr = 1e\\+38: base_lr \\* mu_max = 4e\\+38 is beyond float32's range"
+
+
 def _mu_range(args, kw, dev):
     kw["mu_min"], kw["mu_max"] = 2.0, 0.1
     return "mu_min = 2, mu_max = 0.1: must be finite with mu_min < mu_max"
@@ -135,8 +140,8 @@ def _previous_alias(args, kw, dev):
 
 
 CASES = [_numel, _count, _w_out, _out_bias, _weight_dtype, _mu_size, _ema_size, _depths_dtype,
-         _hidden, _layers, _base_lr, _mu_range, _ema_beta, _max_norm, _alias, _alias_weights,
-         _previous_size, _previous_alias]
+         _hidden, _layers, _base_lr, _base_lr_beyond_float32, _mu_range, _ema_beta, _max_norm,
+         _alias, _alias_weights, _previous_size, _previous_alias]
 
 
 @pytest.mark.parametrize("device", DEVICES)

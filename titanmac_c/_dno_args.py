@@ -10,6 +10,7 @@ import torch
 from . import _C
 from ._cms import level_frequencies
 from ._distributed import is_dtensor
+from ._reference_dno import MAX_LR_MULT
 
 # the control step and the CMS update compute in float32 (titanmac_c.AdamW also takes float64)
 DNO_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -80,6 +81,15 @@ def check_float(name, value, low=0.0):
     if not (math.isfinite(value) and value >= low):
         raise ValueError(f"{name} = {value}: must be finite and >= {low}")
     return value
+
+
+def check_rate_range(base_lr):
+    """The rates base_lr * mu live in a float32 device tensor (the C core refuses a step whose
+    rate would be inf there; the reference's Python double would step the model to inf/NaN)."""
+    top = base_lr * MAX_LR_MULT
+    if top > torch.finfo(torch.float32).max:
+        raise ValueError(f"base_lr = {base_lr}: base_lr * mu_max = {top} is beyond float32's "
+                         "range")
 
 
 def check_grouped(groups, group_names, device):

@@ -15,6 +15,7 @@ import torch
 
 from . import _C
 from . import _profiling as prof
+from ._dno_args import check_float, check_rate_range
 from ._runtime import mark_written
 
 
@@ -76,6 +77,8 @@ class GraphState:
         opt = self.opt
         if t <= opt.cuda_graph_warmup_steps or t == 1:
             return False
+        # the captured control op took base_lr = 1 and checks nothing of the real one
+        check_rate_range(check_float("base_lr", opt.base_lr))
         if opt._cms is not None and not opt.use_preprocessing:
             return False  # the legacy network's context holds t itself: eager
         if opt._ungrouped_grads():

@@ -73,6 +73,7 @@ from ._dno_args import (
     check_frequencies,
     check_grouped,
     check_int,
+    check_rate_range,
 )
 from ._dno_checkpoint import CheckpointMixin
 from ._dno_control import ControlStepMixin, watch_model_edits
@@ -108,6 +109,7 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin, CheckpointMixin):
             cms_frequencies = [1] if low_memory else [1, 10, 100]
         self.model = model
         self.base_lr = check_float("base_lr", base_lr)
+        check_rate_range(self.base_lr)
         self.meta_lr = check_float("meta_lr", meta_lr)
         self.k_unroll = check_int("k_unroll", k_unroll, 0)  # read only by meta_update()
         # read only in CMS mode (in AdamW mode kept as given, as the reference keeps it)

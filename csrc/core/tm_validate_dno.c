@@ -6,6 +6,7 @@
  * shares memory with another tensor of the call (a write through lr into mu would change what
  * the step reads) is tm_roles.c's.
  */
+#include <float.h>
 #include <math.h>
 
 #include "../common/tm_math.h"
@@ -87,14 +88,18 @@ check_dno_weights(const tm_tensor_list *w, const tm_dno_control_args *a)
 static tm_status
 check_dno_hparams(const tm_dno_control_args *a)
 {
+    TM_CHECK(isfinite(a->mu_min) && isfinite(a->mu_max) && a->mu_min < a->mu_max, TM_ERR_VALUE,
+             "mu_min = %g, mu_max = %g: must be finite with mu_min < mu_max", a->mu_min, a->mu_max);
     TM_CHECK(isfinite(a->base_lr) && a->base_lr >= 0.0, TM_ERR_VALUE,
              "base_lr = %g: must be finite and >= 0", a->base_lr);
+    /* the rates base_lr * mu are stored in float32: one beyond its range would be inf */
+    TM_CHECK(a->base_lr * fmax(fabs(a->mu_min), fabs(a->mu_max)) <= FLT_MAX, TM_ERR_VALUE,
+             "base_lr = %g: base_lr * mu_max = %g is beyond float32's range", a->base_lr,
+             a->base_lr * fmax(fabs(a->mu_min), fabs(a->mu_max)));
     TM_CHECK(!isnan(a->max_grad_norm), TM_ERR_VALUE,
              "max_grad_norm = %g: must be a number (<= 0 turns clipping off)", a->max_grad_norm);
     TM_CHECK(a->ema_beta >= 0.0 && a->ema_beta <= 1.0, TM_ERR_VALUE,
              "ema_beta = %g: must be in [0, 1]", a->ema_beta);
-    TM_CHECK(isfinite(a->mu_min) && isfinite(a->mu_max) && a->mu_min < a->mu_max, TM_ERR_VALUE,
-             "mu_min = %g, mu_max = %g: must be finite with mu_min < mu_max", a->mu_min, a->mu_max);
     return TM_OK;
 }
 

@@ -223,7 +223,7 @@ typedef struct {
     int32_t update_controller; /* nonzero on steps where stats + controller run (t % F_c == 0 or t == 1) */
     int32_t first_step;      /* nonzero when t == 1: the EMA starts at the loss */
     int32_t check_loss;      /* nonzero: a non-finite loss[0] skips the step (device-side guard) */
-    double base_lr;          /* lr[g] = base_lr * mu[g] */
+    double base_lr;          /* lr[g] = base_lr * mu[g]; base_lr * mu_max must fit float32 */
     double max_grad_norm;    /* > 0: clip coefficient and NaN-gradient guard; <= 0: coef = 1, no guard */
     double ema_beta;         /* 0.1: ema = (1 - beta) * ema + beta * loss */
     double mu_min, mu_max;   /* 0.1, 2.0 */
