@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import titanmac_c
-from titanmac_c._cms import level_frequencies
+from titanmac_c._cms_state import level_frequencies
 from titanmac_c._reference_dno import (
     CMS_EMA_BASE,
     ReferenceDeepNestedOptimizer,

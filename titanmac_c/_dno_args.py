@@ -8,7 +8,7 @@ import numbers
 import torch
 
 from . import _C
-from ._cms import level_frequencies
+from ._cms_state import level_frequencies
 from ._distributed import is_dtensor
 from ._reference_dno import MAX_LR_MULT
 

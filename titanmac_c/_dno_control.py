@@ -122,6 +122,14 @@ class ControlStepMixin:
                            lists=("grads", "params", "step_counts"),
                            level_lists=("momentum", "accumulated", "ema", "v_sq"))
 
+    def _raise_if_sparse(self):
+        """A sparse gradient fails the first C call with torch's DLPack message: say what it is."""
+        for p in self._gather(with_params=True)[1]:
+            if p.grad.layout != torch.strided:
+                raise RuntimeError(f"parameter {self._param_names[p]!r}: {p.grad.layout} "
+                                   "gradients are not supported (e.g. nn.Embedding(sparse=True))"
+                                   ) from None
+
     def _param_norms_without_grads(self, missing):
         g = N_GROUPS
         out = torch.zeros(g + 1, dtype=torch.float32, device=self.device)
