@@ -2,16 +2,9 @@
  * cpu_cms_loops_impl.h -- the CMS update's loops over one block (tm_cms_step; spec
  * deep_nested_optimizer.md 7.2), compiled once per instruction set: cpu_loops_impl.h includes it
  * after its load/store helpers, and its table points at cpu_cms_kernels_<isa>. cpu_cms.c drives
- * the passes and holds the formulas' overview; the element math is tm_cms_math.h's.
+ * the passes and holds the formulas' overview; the element math is tm_cms_math.h's; the
+ * DirectUpdateMLP on tiles of elements is cpu_cms_tile_impl.h's.
  *
- * The DirectUpdateMLP is the hot loop (~2,000 flops per element and firing level at H = 20,
- * L = 2, half of them in the 40 SiLUs). It runs on tiles of CMS_TILE elements, one Linear layer
- * at a time: for CMS_UNITS units at a time, an `omp simd` loop over the tile's elements whose
- * body sums k in index order (fully unrolled), so each SIMD lane is one element doing exactly
- * tm_cms_direct_delta's operations (the tail of a block calls that function itself: bitwise the
- * same, tested). Measured (AVX-512, H = 20, L = 2): ~27 ns per element and core, about 60% of
- * it in the 40 exps (Cephes, ~33 vector operations each, 25 since tm_cms_silu_den); FMA in the
- * sums would save only ~4%.
  * Partial sums follow the block-reduction scheme of cpu_loops_impl.h:
  * element e of a block goes to accumulator e % 8, combined pairwise.
  */
@@ -65,84 +58,7 @@ cms_ema_elem(const cpu_cms_block *b, int l, int64_t i, float gh)
 
 /* ---------------------------------------------------------------- DIRECT tiles ---- */
 
-typedef struct {
-    float gh[CMS_TILE];                                     /* g^ */
-    float m[CMS_TILE];                                      /* m_l before the update */
-    float act[2][TM_CMS_DIRECT_MAX_HIDDEN][CMS_TILE];       /* features, then layer outputs */
-    float out[CMS_TILE];                                    /* delta */
-} cms_tile;
-
-/* y[j] = act(W[j] . x + b[j]) for every unit j, one SIMD lane per element. `in` is a constant
- * at each call, so the sum over k unrolls and the element loop is straight-line code. Units go
- * CMS_UNITS at a time: independent sums (and SiLUs) in flight hide the add and divide latencies
- * of each, and each x[k] is loaded once for all of them. Every unit's operations and their
- * order are tm_cms_unit's. */
-#define CMS_UNITS 4
-_Static_assert(TM_CMS_DIRECT_MAX_HIDDEN % CMS_UNITS == 0, "hidden layers go CMS_UNITS at a time");
-
-CPU_INLINE void
-cms_tile_layer_d(const float *w, int32_t in, const float *bias, int32_t out,
-                 const float (*restrict x)[CMS_TILE], float (*restrict y)[CMS_TILE], int silu,
-                 int32_t units, float (*restrict dy)[CMS_TILE], int derivs)
-{
-    for (int32_t j = 0; j < out; j += units) {
-        const float *wj = w + (int64_t)j * in;
-        TM_SIMD
-        for (int e = 0; e < CMS_TILE; e++) {
-            float acc[CMS_UNITS];
-#pragma GCC unroll 4
-            for (int32_t u = 0; u < units; u++) {
-                acc[u] = wj[u * in] * x[0][e];
-            }
-#pragma GCC unroll 20
-            for (int32_t k = 1; k < in; k++) {
-#pragma GCC unroll 4
-                for (int32_t u = 0; u < units; u++) {
-                    acc[u] = acc[u] + wj[u * in + k] * x[k][e];
-                }
-            }
-#pragma GCC unroll 4
-            for (int32_t u = 0; u < units; u++) {
-                const float v = acc[u] + bias[j + u];
-                /* tm_cms_silu(v), its operations spelled out to share 1 + e^-v with SiLU's
-                 * derivative s (1 + v (1 - s)), s = 1 / (1 + e^-v) (torch's silu_backward) */
-                const float den = tm_cms_silu_den(v);
-                y[j + u][e] = silu ? tm_fdiv(v, den) : v;
-                if (derivs) {
-                    const float sg = tm_fdiv(1.0f, den);
-                    dy[j + u][e] = tm_fmul(sg, tm_fadd(1.0f, tm_fmul(v, tm_fadd(1.0f, -sg))));
-                }
-            }
-        }
-    }
-}
-
-/* The layer without derivatives (Phase 2). */
-CPU_INLINE void
-cms_tile_layer(const float *w, int32_t in, const float *bias, int32_t out,
-               const float (*restrict x)[CMS_TILE], float (*restrict y)[CMS_TILE], int silu,
-               int32_t units)
-{
-    float unused[1][CMS_TILE];
-    cms_tile_layer_d(w, in, bias, out, x, y, silu, units, unused, 0);
-}
-
-/* The padded network (see tm_cms_direct_delta) on one tile. */
-CPU_INLINE void
-cms_tile_mlp(const tm_cms_direct_net *net, cms_tile *t)
-{
-    const int32_t mh = TM_CMS_DIRECT_MAX_HIDDEN;
-    int cur = 1;
-    cms_tile_layer(&net->w_in[0][0], TM_CMS_DIRECT_IN, net->b_in, mh,
-                   (const float (*)[CMS_TILE])t->act[0], t->act[1], 1, CMS_UNITS);
-    for (int32_t l = 0; l + 1 < net->layers; l++) {
-        cms_tile_layer(&net->w_hid[l][0][0], mh, net->b_hid[l], mh,
-                       (const float (*)[CMS_TILE])t->act[cur], t->act[cur ^ 1], 1, CMS_UNITS);
-        cur ^= 1;
-    }
-    cms_tile_layer(net->w_out, mh, &net->b_out, 1, (const float (*)[CMS_TILE])t->act[cur],
-                   (float (*)[CMS_TILE])t->out, 0, 1);
-}
+#include "cpu_cms_tile_impl.h"
 
 /* g^, m and the four features of elements [s, s + CMS_TILE); the e and v updates of the
  * buffers the caller keeps (NULL: not kept). */

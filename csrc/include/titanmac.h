@@ -65,8 +65,7 @@ typedef enum { TM_DEVICE_CPU = 1, TM_DEVICE_CUDA = 2 } tm_device_type;
 
 #define TM_TENSOR_READ_ONLY 1u /* the producer forbids writes (DLPack READ_ONLY flag) */
 
-/* A dense, contiguous run of numel elements. data is the first element (DLPack data +
- * byte_offset); it may be NULL only when numel == 0. */
+/* numel contiguous elements from data (DLPack data + byte_offset; NULL only if numel == 0). */
 typedef struct {
     void *data;
     int64_t numel;
@@ -87,8 +86,7 @@ typedef struct {
 typedef struct {
     void *stream;         /* cudaStream_t for CUDA tensors (NULL = legacy default); unused on CPU */
     int32_t num_threads;  /* CPU worker threads; <= 0 means one */
-    void *scratch;        /* caller-owned scratch on the tensors' device (host memory on CPU);
-                             may be NULL when the op's *_scratch_bytes() is 0 */
+    void *scratch;        /* on the tensors' device (CPU: host); NULL if *_scratch_bytes() is 0 */
     size_t scratch_bytes; /* at least what the op's *_scratch_bytes() asked for */
 } tm_exec;
 
@@ -101,9 +99,8 @@ typedef struct {
     double max_norm;          /* finite, >= 0; read only when out->coef is wanted */
 } tm_norms_args;
 
-/* Outputs: float32 or float64 tensors (each written in its own dtype; float64 keeps a float64
- * input's norm unrounded) on the tensors' device, written by the call. A tensor with
- * data == NULL and numel == 0 means "not wanted" where marked optional. */
+/* Outputs on the tensors' device, each float32 or float64 (written in its own dtype: float64
+ * keeps a float64 input's norm unrounded); data == NULL, numel == 0: not wanted (optional). */
 typedef struct {
     tm_tensor group_grad;  /* [num_groups] p-norm of the grads of each group (0 for an empty one) */
     tm_tensor group_param; /* [num_groups] p-norm of the params of each group; optional */
