@@ -92,6 +92,15 @@ def check_rate_range(base_lr):
                          "range")
 
 
+def model_device(model):
+    """The reference's device: the first parameter's, frozen or not (a model with every
+    parameter frozen gets empty groups and steps nothing, as the reference's)."""
+    first = next(model.parameters(), None)
+    if first is None:
+        raise ValueError("model has no parameters")
+    return first.device
+
+
 def check_grouped(groups, group_names, device):
     """What the C core would refuse at the first step(), refused here with the parameter's name
     (the reference accepts these and trains them with torch ops)."""

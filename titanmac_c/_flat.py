@@ -7,7 +7,9 @@ import weakref
 
 import torch
 
-from ._runtime import dense_order, is_expanded
+from ._adamw_state import STATE_KEYS, malformed_state, step_count
+from ._distributed import localize, refuse_plain_with_dtensor
+from ._runtime import COMPLEX_DTYPES, dense_order, is_expanded, real_view
 
 _IS_NONE = functools.partial(operator.is_, None)
 _GRAD = operator.attrgetter("grad")
@@ -129,6 +131,50 @@ class Batch:
         self.grad_copies = []
         # the learning rates' dtype: float64 (torch's Python float) when a parameter is float64
         self.lr_dtype = torch.float32
+
+    def add(self, gi, name, p, grad, state, dtensor):
+        """p's tensors (of param_groups[gi]) appended: for a DTensor its local shards, for a complex p the
+        real views, gradient and state in the parameter's layout."""
+        dtype = p.dtype
+        if dtensor is not None and isinstance(p, dtensor):
+            # FSDP2 / tensor parallel: the element-wise step of the local shards (the
+            # state stays a DTensor, as torch's, for distributed checkpoints)
+            self.wrappers.append(p)
+            self.no_plan = True
+            p, grad, tensors = localize(name, p, grad, state, STATE_KEYS)
+            grad = self.laid_out_grad(name, grad, p)
+        else:
+            if dtensor is not None:
+                refuse_plain_with_dtensor(name, p, grad, state, STATE_KEYS)
+            # gradient and state in the parameter's layout: the state for good (the same
+            # values), the gradient as a copy for this step (the Plan re-reads .grad)
+            for k in STATE_KEYS:
+                if k in state:
+                    state[k] = in_layout_of(state[k], p)
+            grad, tensors = self.laid_out_grad(name, grad, p), state
+        if dtype in COMPLEX_DTYPES:
+            # as torch's AdamW: the real views of parameter, gradient and state (kept
+            # complex, as torch's) stepped by the real math. A Plan re-reads p.grad of
+            # the parameters it holds, so such a batch gets none.
+            self.no_plan = True
+            p, grad = real_view(p), real_view(self.resolved_grad(name, grad))
+            tensors = {k: real_view(v) if isinstance(v, torch.Tensor) else v
+                       for k, v in tensors.items() if k in STATE_KEYS}
+            dtype = p.dtype
+        if dtype is torch.float64:
+            self.lr_dtype = torch.float64
+        self.group_of.append(gi)
+        self.params.append(p)
+        self.grads.append(grad)
+        try:
+            self.exp_avgs.append(tensors["exp_avg"])
+            self.exp_avg_sqs.append(tensors["exp_avg_sq"])
+            if self.amsgrad:
+                self.max_exp_avg_sqs.append(tensors["max_exp_avg_sq"])
+            self.steps.append(step_count(state, p.device))
+        except (KeyError, TypeError, ValueError, RuntimeError) as e:
+            raise malformed_state(name, state, e) from None
+        self.names.append(name)
 
     def release(self):
         """Drop the step's gradients and state tensors, keeping the parameters: a Plan holds

@@ -37,25 +37,31 @@ def given_total_norm(total_norm, device, dtype):
     return total_norm.detach().to(device)  # torch's clip also moves the norm to each device
 
 
+def _gradients(optimizer, norm_type):
+    """(the gradients to norm, the returned norm's dtype or None): the plan's, whose dtype the
+    parameters fix while it holds (the C core refuses gradients of another dtype), so reckoned
+    once per plan; else the groups' (complex ones as their real views; a plan holds none, so
+    its step pays nothing for them)."""
+    grads = optimizer._planned_grads()
+    if grads is not None:
+        return grads, optimizer._plan.norm_dtype
+    grads = [g for g in (p.grad for group in optimizer.param_groups
+                         for p in group["params"]) if g is not None]
+    grads = _real_views("grads", grads, norm_type)
+    if len({g.device for g in grads}) > 1:
+        raise ValueError("clip_grad_norm_: parameters on several devices; use "
+                         "titanmac_c.clip_grad_norm_ instead")
+    return grads, None
+
+
 def folded_clip(optimizer, max_norm, norm_type, error_if_nonfinite, total_norm):
     """(the total norm as AdamW.clip_grad_norm_ returns it, the [1] coefficient tensor on the
     gradients' device or None when there is no gradient). Writes nothing of the optimizer."""
     max_norm = _check_max_norm(max_norm)
     norm_type = _check_norm_type(norm_type)
-    grads = optimizer._planned_grads()
-    # the returned norm's dtype: fixed by the parameters while the plan holds (the C core
-    # refuses gradients of another dtype), so reckoned once per plan
-    dtype = optimizer._plan.norm_dtype if grads is not None else None
-    if grads is None:
-        grads = [g for g in (p.grad for group in optimizer.param_groups
-                             for p in group["params"]) if g is not None]
-        # complex gradients as their real views (a plan holds none: no cost to its step)
-        grads = _real_views("grads", grads, norm_type)
-        if not grads:
-            return torch.tensor(0.0), None
-        if len({g.device for g in grads}) > 1:
-            raise ValueError("clip_grad_norm_: parameters on several devices; use "
-                             "titanmac_c.clip_grad_norm_ instead")
+    grads, dtype = _gradients(optimizer, norm_type)
+    if not grads:
+        return torch.tensor(0.0), None
     sharded = mesh = None  # mesh: the result is returned replicated over it
     # a cached plan holds no DTensor (their batches get none): no check needed then
     if total_norm is None and dtype is None and any_dtensor(grads):

@@ -162,6 +162,16 @@ def _mlp_backward(weights, inputs, derivs, dout, grads):
             d = (d @ weights[k]) * derivs[k // 2 - 1]
 
 
+def _part(t, start, stop):
+    """t[start:stop]: a slice is an op, none for the whole tensor."""
+    return t if start == 0 and stop == t.numel() else t[start:stop]
+
+
+def _join(parts):
+    """The parts concatenated: a cat is an op, none for one part."""
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
 def surrogate_gradient(targets, momentum, outputs, weights, weight_grads, losses, *, divisor,
                        has_prev, scale=None, plan=None):
     """_C.cms_surrogate in torch ops: g_i = targets[i] * scale / divisor (float32, the
@@ -178,25 +188,19 @@ def surrogate_gradient(targets, momentum, outputs, weights, weight_grads, losses
     moms = [m.reshape(-1) for m in momentum]
     outs = [o.view(-1) for o in outputs]
 
-    def part(t, start, stop):  # a slice is an op: none for the whole tensor
-        return t if start == 0 and stop == t.numel() else t[start:stop]
-
-    def join(parts):  # a cat is an op: none for one part
-        return torch.cat(parts) if len(parts) > 1 else parts[0]
-
     def pieces(x, c):  # the rows of x (chunk c's elements) by piece, in the chunk's order
         return x.split(plan.piece_sizes[c]) if len(plan.chunks[c]) > 1 else (x,)
 
     def chunk_pass(c, keep):
         chunk = plan.chunks[c]
-        g = join([part(flat[j], a, b) for j, a, b in chunk]).float()
+        g = _join([_part(flat[j], a, b) for j, a, b in chunk]).float()
         g = (g * scale if scale is not None else g) / divisor
         g = torch.nan_to_num(g, nan=0.0, posinf=0.0, neginf=0.0)  # as the C op: non-finite -> 0
-        m = join([part(moms[j], a, b) for j, a, b in chunk])
+        m = _join([_part(moms[j], a, b) for j, a, b in chunk])
         o, inputs, derivs = _mlp_forward(weights, _features(g, m), keep)
         # a tensor without a previous output gets o itself: o - prev = 0, no temporal term in
         # its loss or its gradient, and no per-tensor flag on the device
-        prev = join([part(outs[j], a, b) if has_prev[j] else own
+        prev = _join([_part(outs[j], a, b) if has_prev[j] else own
                      for (j, a, b), own in zip(chunk, pieces(o, c))])
         return g, o, o - prev, inputs, derivs
 
@@ -219,7 +223,7 @@ def surrogate_gradient(targets, momentum, outputs, weights, weight_grads, losses
             _mlp_backward(weights, inputs, derivs, co * o + cg * g + ct * d, grads)
             # after this chunk's last read of the previous outputs
             for (j, a, b), own in zip(chunk, pieces(o, c)):
-                part(outs[j], a, b).copy_(own)
+                _part(outs[j], a, b).copy_(own)
         for wg, acc in zip(weight_grads, grads):
             wg.copy_(acc)
         losses.copy_(tensor_losses)

@@ -70,6 +70,7 @@ from ._dno_args import (
     check_grouped,
     check_int,
     check_rate_range,
+    model_device,
 )
 from ._dno_checkpoint import CheckpointMixin
 from ._dno_control import ControlStepMixin, watch_model_edits
@@ -145,12 +146,7 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin, MetaLearningMixin,
         self.cuda_graph_warmup_steps = check_int("cuda_graph_warmup_steps",
                                                  cuda_graph_warmup_steps, 0)
         check_c_limits(self)
-        # the reference's device: the first parameter's, frozen or not (a model with every
-        # parameter frozen gets empty groups and steps nothing, as the reference's)
-        first = next(model.parameters(), None)
-        if first is None:
-            raise ValueError("model has no parameters")
-        self.device = first.device
+        self.device = model_device(model)
         self.n_groups = N_GROUPS
         group_names = self._build_objects(model)
         self._init_step_state(model, group_names, use_gradient_checkpointing, use_cuda_graph)

@@ -14,17 +14,10 @@ from torch.optim import Optimizer
 from . import _C
 from . import _profiling as prof
 from ._adamw_hparams import Hyperparameters, scalar
-from ._adamw_state import (
-    STATE_KEYS,
-    check_loaded_state,
-    init_state,
-    malformed_state,
-    normalize_steps,
-    step_count,
-)
+from ._adamw_state import check_loaded_state, init_state, normalize_steps
 from ._amp import AmpScaling
-from ._distributed import dtensor_type, localize, refuse_plain_with_dtensor
-from ._flat import Batch, GradientMark, Plan, in_layout_of
+from ._distributed import dtensor_type
+from ._flat import Batch, GradientMark, Plan
 from ._folded_clip import folded_clip
 from .functional import _scale_grads
 from ._runtime import (
@@ -35,7 +28,6 @@ from ._runtime import (
     exec_kwargs,
     mark_written,
     memory_real_view,
-    real_view,
     reraise_with_names,
 )
 
@@ -310,8 +302,7 @@ class AdamW(Optimizer):
                 name = f"param_groups[{gi}]['params'][{pi}]"
                 if grad.is_sparse:
                     raise RuntimeError(f"{name}: AdamW does not support sparse gradients")
-                dtype = p.dtype
-                if dtype not in SUPPORTED_DTYPES and dtype not in COMPLEX_DTYPES:
+                if p.dtype not in SUPPORTED_DTYPES and p.dtype not in COMPLEX_DTYPES:
                     check_supported_dtype(name, p)  # raises; also for state loaded elsewhere
                 state = self.state.get(p)
                 if not state:
@@ -323,45 +314,7 @@ class AdamW(Optimizer):
                 batch = batches.get(key)
                 if batch is None:
                     batch = batches[key] = Batch(*key)
-                if dtensor is not None and isinstance(p, dtensor):
-                    # FSDP2 / tensor parallel: the element-wise step of the local shards (the
-                    # state stays a DTensor, as torch's, for distributed checkpoints)
-                    batch.wrappers.append(p)
-                    batch.no_plan = True
-                    p, grad, tensors = localize(name, p, grad, state, STATE_KEYS)
-                    grad = batch.laid_out_grad(name, grad, p)
-                else:
-                    if dtensor is not None:
-                        refuse_plain_with_dtensor(name, p, grad, state, STATE_KEYS)
-                    # gradient and state in the parameter's layout: the state for good (the same
-                    # values), the gradient as a copy for this step (the Plan re-reads .grad)
-                    for k in STATE_KEYS:
-                        if k in state:
-                            state[k] = in_layout_of(state[k], p)
-                    grad, tensors = batch.laid_out_grad(name, grad, p), state
-                if dtype in COMPLEX_DTYPES:
-                    # as torch's AdamW: the real views of parameter, gradient and state (kept
-                    # complex, as torch's) stepped by the real math. A Plan re-reads p.grad of
-                    # the parameters it holds, so such a batch gets none.
-                    batch.no_plan = True
-                    p, grad = real_view(p), real_view(batch.resolved_grad(name, grad))
-                    tensors = {k: real_view(v) if isinstance(v, Tensor) else v
-                               for k, v in tensors.items() if k in STATE_KEYS}
-                    dtype = p.dtype
-                if dtype is torch.float64:
-                    batch.lr_dtype = torch.float64
-                batch.group_of.append(gi)
-                batch.params.append(p)
-                batch.grads.append(grad)
-                try:
-                    batch.exp_avgs.append(tensors["exp_avg"])
-                    batch.exp_avg_sqs.append(tensors["exp_avg_sq"])
-                    if batch.amsgrad:
-                        batch.max_exp_avg_sqs.append(tensors["max_exp_avg_sq"])
-                    batch.steps.append(step_count(state, p.device))
-                except (KeyError, TypeError, ValueError, RuntimeError) as e:
-                    raise malformed_state(name, state, e) from None
-                batch.names.append(name)
+                batch.add(gi, name, p, grad, state, dtensor)
         for batch in batches.values():
             batch.permute_dense()
         return list(batches.values()), new_state, groups, lrs
