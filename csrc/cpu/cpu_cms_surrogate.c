@@ -177,35 +177,51 @@ write_grads(const sur_ctx *x, int64_t blocks, int32_t hidden, int32_t layers)
     }
 }
 
+/* No targets: the mean over none has no gradient; the weights' gradients are zero. */
+static void
+zero_weight_grads(const tm_tensor_list *weight_grads)
+{
+    for (int32_t k = 0; k < weight_grads->count; k++) {
+        float *g = weight_grads->tensors[k].data;
+        for (int64_t i = 0; i < weight_grads->tensors[k].numel; i++) {
+            g[i] = 0.0f;
+        }
+    }
+}
+
+/* The padded network from the module's weights (validated: 2 L + 2 tensors), and its hidden
+ * layers transposed (w_hid_t[l][k][j] = W_l[j][k]: the backward multiplies by W^T). */
+static void
+load_net(const tm_tensor_list *weights, const tm_cms_surrogate_args *a, tm_cms_direct_net *net,
+         float w_hid_t[][TM_CMS_DIRECT_MAX_HIDDEN][TM_CMS_DIRECT_MAX_HIDDEN])
+{
+    const int32_t mh = TM_CMS_DIRECT_MAX_HIDDEN;
+    const float *w[2 * TM_CMS_MAX_LAYERS + 2];
+    for (int32_t k = 0; k < weights->count; k++) {
+        w[k] = weights->tensors[k].data;
+    }
+    tm_cms_direct_fill(net, w, a->hidden, a->layers, 0, 1);
+    for (int32_t l = 0; l + 1 < a->layers; l++) {
+        for (int32_t j = 0; j < mh; j++) {
+            for (int32_t k = 0; k < mh; k++) {
+                w_hid_t[l][k][j] = net->w_hid[l][j][k];
+            }
+        }
+    }
+}
+
 tm_status
 cpu_cms_surrogate(const tm_cms_surrogate_tensors *t, const tm_cms_surrogate_args *a,
                   const tm_cms_surrogate_inputs *in, const tm_exec *exec)
 {
     const int32_t count = t->targets.count;
     if (count == 0) {
-        for (int32_t k = 0; k < t->weight_grads.count; k++) {
-            float *g = t->weight_grads.tensors[k].data;
-            for (int64_t i = 0; i < t->weight_grads.tensors[k].numel; i++) {
-                g[i] = 0.0f;
-            }
-        }
+        zero_weight_grads(&t->weight_grads);
         return TM_OK;
     }
-    const int32_t mh = TM_CMS_DIRECT_MAX_HIDDEN;
-    const float *w[2 * TM_CMS_MAX_LAYERS + 2];
-    for (int32_t k = 0; k < t->weights.count; k++) { /* validated: 2 L + 2 */
-        w[k] = t->weights.tensors[k].data;
-    }
     tm_cms_direct_net net;
-    tm_cms_direct_fill(&net, w, a->hidden, a->layers, 0, 1);
     float w_hid_t[TM_CMS_MAX_LAYERS - 1][TM_CMS_DIRECT_MAX_HIDDEN][TM_CMS_DIRECT_MAX_HIDDEN];
-    for (int32_t l = 0; l + 1 < a->layers; l++) {
-        for (int32_t j = 0; j < mh; j++) {
-            for (int32_t k = 0; k < mh; k++) {
-                w_hid_t[l][k][j] = net.w_hid[l][j][k];
-            }
-        }
-    }
+    load_net(&t->weights, a, &net, w_hid_t);
     const int64_t blocks = cpu_count_blocks(&t->targets);
     sur_ctx x = {
         .t = t,

@@ -327,19 +327,51 @@ sur_tile_down(const float *wt, const float (*restrict x)[CMS_TILE],
     }
 }
 
+/* The backward of one tile, from dout = dloss/do: the weights' gradients accumulated into acc
+ * (the module-order layout of cpu_sur_grad_entries, lane e % 8 of each entry). */
+CPU_INLINE void
+sur_tile_backward(const cpu_sur_block *b, const sur_tile *t, const float (*dout)[CMS_TILE],
+                  float (*acc)[CPU_ACC])
+{
+    const tm_cms_direct_net *net = b->net;
+    const int32_t layers = net->layers;
+    const int64_t off_b_in = SUR_MH * TM_CMS_DIRECT_IN;
+    const int64_t off_hid = off_b_in + SUR_MH;
+    const int64_t hid = SUR_MH * SUR_MH + SUR_MH;
+    const int64_t off_w_out = off_hid + (int64_t)(layers - 1) * hid;
+    float d[2][SUR_MH][CMS_TILE];
+    /* output layer: dW_out += dout a_{L-1}, db_out += dout; d = w_out dout * SiLU' */
+    sur_outer_last(acc + off_w_out, dout, (const float (*)[CMS_TILE])t->act[layers - 1]);
+    sur_accum_rows(acc + off_w_out + SUR_MH, dout, 1);
+    for (int32_t k = 0; k < SUR_MH; k++) {
+        const float w = net->w_out[k];
+        TM_SIMD
+        for (int e = 0; e < CMS_TILE; e++) {
+            d[0][k][e] = tm_fmul(tm_fmul(w, dout[0][e]), t->dact[layers - 1][k][e]);
+        }
+    }
+    int cur = 0;
+    for (int32_t l = layers - 1; l >= 1; l--) { /* hidden layer l: act[l - 1] -> act[l] */
+        float (*g)[CPU_ACC] = acc + off_hid + (int64_t)(l - 1) * hid;
+        sur_outer_hidden(g, (const float (*)[CMS_TILE])d[cur],
+                         (const float (*)[CMS_TILE])t->act[l - 1]);
+        sur_accum_rows(g + SUR_MH * SUR_MH, (const float (*)[CMS_TILE])d[cur], SUR_MH);
+        sur_tile_down(b->w_hid_t + (int64_t)(l - 1) * SUR_MH * SUR_MH,
+                      (const float (*)[CMS_TILE])d[cur],
+                      (const float (*)[CMS_TILE])t->dact[l - 1], d[cur ^ 1]);
+        cur ^= 1;
+    }
+    sur_outer_first(acc, (const float (*)[CMS_TILE])d[cur], (const float (*)[CMS_TILE])t->x);
+    sur_accum_rows(acc + off_b_in, (const float (*)[CMS_TILE])d[cur], SUR_MH);
+}
+
 CPU_INLINE void
 sur_grads(const cpu_sur_block *b, tm_dtype dt)
 {
     const tm_cms_direct_net *net = b->net;
     const int32_t layers = net->layers;
     const int64_t entries = cpu_sur_grad_entries(layers);
-    /* offsets of the module-order layout (cpu_sur_grad_entries) */
-    const int64_t off_b_in = SUR_MH * TM_CMS_DIRECT_IN;
-    const int64_t off_hid = off_b_in + SUR_MH;
-    const int64_t hid = SUR_MH * SUR_MH + SUR_MH;
-    const int64_t off_w_out = off_hid + (int64_t)(layers - 1) * hid;
     sur_tile t;
-    float d[2][SUR_MH][CMS_TILE];
     float dout[1][CMS_TILE];
     float acc[CPU_SUR_MAX_GRAD_ENTRIES][CPU_ACC];
     double sums[2][CPU_ACC] = {{0.0}}; /* o^2, (o - prev)^2: the loss of a tensor whose norms
@@ -355,30 +387,7 @@ sur_grads(const cpu_sur_block *b, tm_dtype dt)
         sur_forward_derivs(net, &t, cnt);
         sur_tile_dout(b, s, cnt, &t, dout);
         sur_tile_loss_sums(&t, sums, sums + 1);
-        /* output layer: dW_out += dout a_{L-1}, db_out += dout; d = w_out dout * SiLU' */
-        sur_outer_last(acc + off_w_out, (const float (*)[CMS_TILE])dout,
-                       (const float (*)[CMS_TILE])t.act[layers - 1]);
-        sur_accum_rows(acc + off_w_out + SUR_MH, (const float (*)[CMS_TILE])dout, 1);
-        for (int32_t k = 0; k < SUR_MH; k++) {
-            const float w = net->w_out[k];
-            TM_SIMD
-            for (int e = 0; e < CMS_TILE; e++) {
-                d[0][k][e] = tm_fmul(tm_fmul(w, dout[0][e]), t.dact[layers - 1][k][e]);
-            }
-        }
-        int cur = 0;
-        for (int32_t l = layers - 1; l >= 1; l--) { /* hidden layer l: act[l - 1] -> act[l] */
-            float (*g)[CPU_ACC] = acc + off_hid + (int64_t)(l - 1) * hid;
-            sur_outer_hidden(g, (const float (*)[CMS_TILE])d[cur],
-                             (const float (*)[CMS_TILE])t.act[l - 1]);
-            sur_accum_rows(g + SUR_MH * SUR_MH, (const float (*)[CMS_TILE])d[cur], SUR_MH);
-            sur_tile_down(b->w_hid_t + (int64_t)(l - 1) * SUR_MH * SUR_MH,
-                          (const float (*)[CMS_TILE])d[cur],
-                          (const float (*)[CMS_TILE])t.dact[l - 1], d[cur ^ 1]);
-            cur ^= 1;
-        }
-        sur_outer_first(acc, (const float (*)[CMS_TILE])d[cur], (const float (*)[CMS_TILE])t.x);
-        sur_accum_rows(acc + off_b_in, (const float (*)[CMS_TILE])d[cur], SUR_MH);
+        sur_tile_backward(b, &t, (const float (*)[CMS_TILE])dout, acc);
     }
     b->parts[CPU_SUR_OO] = cms_join(sums[0]);
     b->parts[CPU_SUR_TT] = cms_join(sums[1]);
