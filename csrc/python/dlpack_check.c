@@ -1,10 +1,10 @@
 /*
  * dlpack_check.c -- what a DLPack producer offers and what its tensors mean to titanmac_c.
  * The exchange table of a type (`__dlpack_c_exchange_api__`, DLPack 1.3; the 1.2-era
- * `__c_dlpack_exchange_api__`), looked up once per type. One DLTensor (+ flags) becomes a
- * tm_tensor after the checks every consumer makes (numpy dlpack.c, nanobind, section 6 of
- * docs/dlpack.md): device (cpu, pinned host, or cuda), dtype (float32, float16,
- * bfloat16; lanes 1), shape, C-contiguity ignoring size-1 dims (torch <= 2.9 rewrote their
+ * `__c_dlpack_exchange_api__`), looked up once per type; an object's __dlpack_device__(). One
+ * DLTensor (+ flags) becomes a tm_tensor after the checks every consumer makes (numpy dlpack.c,
+ * nanobind, section 6 of docs/dlpack.md): device (cpu, pinned host, or cuda), dtype (float32,
+ * float16, bfloat16; lanes 1), shape, C-contiguity ignoring size-1 dims (torch <= 2.9 rewrote their
  * strides to 1; NULL strides = compact), data + byte_offset, READ_ONLY. And the labelled errors
  * ("grads[3]: ...") of the importer. No ownership here: that is dlpack_import.c's.
  */
@@ -288,3 +288,27 @@ py_check_dltensor(const DLTensor *dl, uint64_t flags, py_label lbl, unsigned opt
     return 0;
 }
 
+/* DLPack device type from obj.__dlpack_device__() (kDLCPU when the producer has none). */
+int
+py_dlpack_device_type(py_state *st, PyObject *obj, py_label lbl, long *type)
+{
+    PyObject *dev = PyObject_CallMethodObjArgs(obj, st->s_dlpack_device, NULL);
+    if (dev == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
+            return py_fail_from_pending(PyExc_BufferError, lbl, "__dlpack_device__() failed");
+        }
+        PyErr_Clear();
+        *type = kDLCPU;
+        return 0;
+    }
+    *type = -1;
+    if (PyTuple_Check(dev) && PyTuple_GET_SIZE(dev) == 2) {
+        *type = PyLong_AsLong(PyTuple_GET_ITEM(dev, 0));
+    }
+    Py_DECREF(dev);
+    if (*type == -1) {
+        PyErr_Clear();
+        return py_fail(PyExc_BufferError, lbl, "__dlpack_device__() did not return (type, id)");
+    }
+    return 0;
+}

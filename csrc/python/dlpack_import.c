@@ -222,29 +222,30 @@ consume_capsule(py_batch *b, PyObject *cap, py_label lbl, DLTensor *dl, uint64_t
                    name != NULL ? name : "");
 }
 
-/* DLPack device type from obj.__dlpack_device__() (kDLCPU when the producer has none). */
+static int import_protocol(py_batch *b, PyObject *obj, py_label lbl, int may_detach,
+                           DLTensor *dl, uint64_t *flags);
+
+/* obj.detach() through the protocol, after obj's __dlpack__ refused it (the pending error);
+ * an object without detach() reports that refusal. */
 static int
-dlpack_device_type(py_state *st, PyObject *obj, py_label lbl, long *type)
+import_detached(py_batch *b, PyObject *obj, py_label lbl, DLTensor *dl, uint64_t *flags)
 {
-    PyObject *dev = PyObject_CallMethodObjArgs(obj, st->s_dlpack_device, NULL);
-    if (dev == NULL) {
-        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
-            return py_fail_from_pending(PyExc_BufferError, lbl, "__dlpack_device__() failed");
-        }
+    PyObject *refusal = py_take_exception();
+    PyObject *detach = PyObject_GetAttr(obj, b->st->s_detach);
+    if (detach == NULL) {
         PyErr_Clear();
-        *type = kDLCPU;
-        return 0;
+        py_restore_exception(refusal);
+        return py_fail_from_pending(PyExc_BufferError, lbl, "__dlpack__() failed");
     }
-    *type = -1;
-    if (PyTuple_Check(dev) && PyTuple_GET_SIZE(dev) == 2) {
-        *type = PyLong_AsLong(PyTuple_GET_ITEM(dev, 0));
+    Py_XDECREF(refusal);
+    PyObject *view = PyObject_CallNoArgs(detach);
+    Py_DECREF(detach);
+    if (view == NULL) {
+        return py_fail_from_pending(PyExc_BufferError, lbl, "detach() failed");
     }
-    Py_DECREF(dev);
-    if (*type == -1) {
-        PyErr_Clear();
-        return py_fail(PyExc_BufferError, lbl, "__dlpack_device__() did not return (type, id)");
-    }
-    return 0;
+    int rc = import_protocol(b, view, lbl, 0, dl, flags);
+    Py_DECREF(view);
+    return rc;
 }
 
 static int
@@ -263,7 +264,7 @@ import_protocol(py_batch *b, PyObject *obj, py_label lbl, int may_detach, DLTens
                        Py_TYPE(obj)->tp_name);
     }
     long device_type = kDLCPU;
-    if (dlpack_device_type(st, obj, lbl, &device_type) < 0) {
+    if (py_dlpack_device_type(st, obj, lbl, &device_type) < 0) {
         Py_DECREF(method);
         return -1;
     }
@@ -282,22 +283,7 @@ import_protocol(py_batch *b, PyObject *obj, py_label lbl, int may_detach, DLTens
                              PyErr_ExceptionMatches(PyExc_RuntimeError))) {
             return py_fail_from_pending(PyExc_BufferError, lbl, "__dlpack__() failed");
         }
-        PyObject *refusal = py_take_exception();
-        PyObject *detach = PyObject_GetAttr(obj, st->s_detach);
-        if (detach == NULL) {
-            PyErr_Clear();
-            py_restore_exception(refusal);
-            return py_fail_from_pending(PyExc_BufferError, lbl, "__dlpack__() failed");
-        }
-        Py_XDECREF(refusal);
-        PyObject *view = PyObject_CallNoArgs(detach);
-        Py_DECREF(detach);
-        if (view == NULL) {
-            return py_fail_from_pending(PyExc_BufferError, lbl, "detach() failed");
-        }
-        int rc = import_protocol(b, view, lbl, 0, dl, flags);
-        Py_DECREF(view);
-        return rc;
+        return import_detached(b, obj, lbl, dl, flags);
     }
     int rc = -1;
     if (PyCapsule_CheckExact(cap)) {

@@ -102,4 +102,8 @@ int py_fail_from_pending(PyObject *type, py_label lbl, const char *what);
 int py_check_dltensor(const DLTensor *dl, uint64_t flags, py_label lbl, unsigned opts,
                       tm_tensor *out, size_t *nbytes);
 
+/* DLPack device type from obj.__dlpack_device__() (kDLCPU when the producer has none); -1 with
+ * BufferError set when it fails or answers something else. */
+int py_dlpack_device_type(py_state *st, PyObject *obj, py_label lbl, long *type);
+
 #endif /* TM_DLPACK_IMPORT_H */
