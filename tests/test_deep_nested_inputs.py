@@ -1,8 +1,10 @@
 """DeepNestedOptimizer on the inputs a swap meets beyond the plain case: a parameter frozen when
 the optimizer was built and unfrozen later (its gradient counts in the reference's clip norm,
 spec 8), checkpoints of a reference built with use_compile=True, numpy integers as
-hyperparameters, and what the C core cannot take (float64 or non-contiguous parameters, sparse or
-non-contiguous gradients): refused with the parameter's name, before anything changes.
+hyperparameters, and what the C core cannot take (sparse gradients, CMS mode's float64 or
+non-contiguous parameters and gradients, a state that no longer fits): refused with the
+parameter's name, before anything changes. The layouts AdamW mode takes:
+tests/test_deep_nested_layouts.py.
 """
 
 import copy
@@ -198,7 +200,7 @@ def test_ungrouped_gradient_the_c_core_cannot_take_is_named():
     opt = titanmac_c.DeepNestedOptimizer(model)
     model.frozen.requires_grad_(True)
     _set(model, _grads(model, 1))
-    model.frozen.weight.grad = model.frozen.weight.grad.t().contiguous().t()  # column-major
+    model.frozen.weight.grad = model.frozen.weight.grad.to_sparse()
     with pytest.raises(BufferError, match=r"'frozen.weight' \(outside the optimizer's groups"):
         opt.step(0.5)
     assert opt.global_step == 0
@@ -392,8 +394,8 @@ def test_a_refused_step_leaves_the_last_steps_control_outputs(kw):
     before = [opt.skipped.clone(), opt._coef.clone(), opt._lr.clone()]
     assert float(before[0]) == 1.0
     _set(model, _grads(model, 4))  # a clip coefficient below 1 and a step not skipped
-    undo = _spoil_gradient("strided")(model)
-    with pytest.raises(BufferError, match=r"not contiguous"):
+    undo = _resize_a_parameter(model)
+    with pytest.raises(ValueError, match=_RESIZED):
         opt.step(0.5)
     undo()
     for a, b in zip(before, [opt.skipped, opt._coef, opt._lr]):
@@ -402,18 +404,24 @@ def test_a_refused_step_leaves_the_last_steps_control_outputs(kw):
     assert float(opt.skipped) == 0.0 and float(opt._coef) < 1.0
 
 
-@pytest.mark.parametrize("kw", MODES, ids=MODE_IDS)
+_SPOILS = {
+    # AdamW mode steps a transposed gradient (tests/test_deep_nested_layouts.py); CMS mode not
+    "strided-gradient": (_spoil_gradient("strided"), BufferError,
+                         r"grads\[1\]: not contiguous .* \(parameter '2.weight'\)"),
+    "sparse-gradient": (_spoil_gradient("sparse"), RuntimeError,
+                        r"parameter '2.weight': torch.sparse_coo gradients are not"),
+    "resized-parameter": (_resize_a_parameter, ValueError, _RESIZED),
+    "gradient-on-parameter": (_share_gradient_with_parameter, ValueError,
+                              r"grads\[3\]: shares memory with params\[3\] \((parameter '2.bias'"
+                              r"|param_groups\[1\]\['params'\]\[1\])\)$"),
+}
+
+
 @pytest.mark.parametrize("at", [7, 10], ids=["step7", "step10"])  # 10: Phase 1 in CMS-direct
-@pytest.mark.parametrize("spoil, err, match", [
-    (_spoil_gradient("strided"), BufferError,
-     r"grads\[1\]: not contiguous .* \(parameter '2.weight'\)"),
-    (_spoil_gradient("sparse"), RuntimeError,
-     r"parameter '2.weight': torch.sparse_coo gradients are not"),
-    (_resize_a_parameter, ValueError, _RESIZED),
-    (_share_gradient_with_parameter, ValueError,
-     r"grads\[3\]: shares memory with params\[3\] \((parameter '2.bias'|param_groups\[1\]"
-     r"\['params'\]\[1\])\)$"),
-], ids=["strided-gradient", "sparse-gradient", "resized-parameter", "gradient-on-parameter"])
+@pytest.mark.parametrize("kw, spoil, err, match", [
+    pytest.param(kw, *case, id=f"{name}-{mode}")
+    for kw, mode in zip(MODES, MODE_IDS) for name, case in _SPOILS.items()
+    if not (name == "strided-gradient" and mode == "adamw")])
 def test_a_refused_step_changes_nothing_and_names_its_parameter(kw, at, spoil, err, match):
     """A tensor the C core cannot take raises and the step does not happen: the parameters, the
     state (lr multipliers and loss EMA included: a refusal after the control op undoes it; the
@@ -544,23 +552,18 @@ def test_gradients_made_under_inference_mode_are_stepped(kw):
         assert torch.equal(pa, pb)
 
 
-@pytest.mark.parametrize("with_grad, match", [
-    (True, r"params\[1\]: not contiguous .* \(parameter '2.weight'\)$"),
-    (False, r"grads\[0\]: not contiguous .* \(parameter '2.weight', which has no gradient\)$"),
-])
-def test_a_parameter_spoiled_after_construction_is_named(with_grad, match):
-    """A parameter's storage replaced after construction (here by a column-major copy) is refused
-    by the C core; the message names it whether the controller step reads it with its gradient
-    (the grouped lists) or without one (the pass over parameters without gradients)."""
+def test_a_parameter_spoiled_after_construction_is_named():
+    """A parameter's storage replaced after construction by a column-major copy is refused by
+    CMS mode's update (its state is kept contiguous), naming it; AdamW mode steps it
+    (tests/test_deep_nested_layouts.py)."""
     model = make_mlp_10_32_5(seed=0)
-    opt = titanmac_c.DeepNestedOptimizer(model)
+    opt = titanmac_c.DeepNestedOptimizer(model, use_cms_updates=True)
     _step_all(1, (model, opt))
     _set(model, _grads(model, 2))
     with torch.no_grad():
         model[2].weight.data = model[2].weight.data.t().contiguous().t()
-    if not with_grad:
-        model[2].weight.grad = None
-    with pytest.raises(BufferError, match=match):
+    with pytest.raises(BufferError, match=r"params\[1\]: not contiguous .* "
+                                          r"\(parameter '2.weight'\)$"):
         opt.step(0.5)
     assert opt.global_step == 1
 

@@ -10,6 +10,7 @@ import torch
 from . import _C
 from ._cms_state import level_frequencies
 from ._distributed import is_dtensor
+from ._runtime import dense_order
 from ._reference_dno import MAX_LR_MULT
 
 # the control step and the CMS update compute in float32 (titanmac_c.AdamW also takes float64)
@@ -101,9 +102,16 @@ def model_device(model):
     return first.device
 
 
-def check_grouped(groups, group_names, device):
+def _supported(cms):
+    return "float32, bfloat16, float16" + ("" if cms else ", float64")
+
+
+def check_grouped(groups, group_names, device, cms):
     """What the C core would refuse at the first step(), refused here with the parameter's name
-    (the reference accepts these and trains them with torch ops)."""
+    (the reference accepts these and trains them with torch ops). AdamW mode takes what
+    titanmac_c.AdamW takes besides: float64 parameters and dense layouts such as channels_last
+    (the statistics read any layout); the CMS update pairs parameters with state kept
+    contiguous, in float32 math."""
     for group, names in zip(groups, group_names):
         for p, name in zip(group["params"], names):
             if is_dtensor(p):
@@ -111,13 +119,15 @@ def check_grouped(groups, group_names, device):
                                 "DeepNestedOptimizer's statistics, controller and CMS state are "
                                 "per model, so it takes plain parameters (DDP works); "
                                 "titanmac_c.AdamW steps sharded models")
-            if p.dtype not in DNO_DTYPES:
-                raise BufferError(f"parameter {name!r}: dtype {p.dtype} is not supported (float32, "
-                                  "bfloat16, float16; e.g. model.float()); titanmac_c.AdamW "
-                                  "also steps float64 and complex models")
+            if p.dtype not in DNO_DTYPES and not (p.dtype == torch.float64 and not cms):
+                raise BufferError(f"parameter {name!r}: dtype {p.dtype} is not supported "
+                                  f"({_supported(cms)}; e.g. model.float()); titanmac_c.AdamW "
+                                  f"also steps {'float64 and ' if cms else ''}complex models")
             if p.device != device:
                 raise ValueError(f"parameter {name!r}: on {p.device}, the first parameter on "
                                  f"{device}: the optimizer needs one device")
-            if p.layout != torch.strided or not p.is_contiguous():
-                raise BufferError(f"parameter {name!r}: not contiguous (e.g. channels_last: "
+            if p.layout != torch.strided or not (p.is_contiguous() or (
+                    not cms and dense_order(p) is not None)):
+                what = "not contiguous" if cms else "not dense in any order"
+                raise BufferError(f"parameter {name!r}: {what} (e.g. "
                                   "model.to(memory_format=torch.contiguous_format))")

@@ -10,7 +10,7 @@ import torch
 
 from . import _C
 from ._reference_dno import EMA_LOSS_BETA, MAX_LR_MULT, MIN_LR_MULT, N_GROUPS
-from ._runtime import exec_kwargs, norms_scratch, reraise_with_names
+from ._runtime import call_dense, exec_kwargs, norms_scratch, reraise_with_names
 
 # a C-core message about the network weights' list (after TITANMAC_DEBUG's "file.c:line: ")
 _WEIGHTS_FIRST = re.compile(r"([\w.]+:\d+: )?weights\[\d+\]")
@@ -67,11 +67,16 @@ class ControlStepMixin:
         if not grads:
             norms.zero_()
         else:
+            kw = dict(group_param=norms[g:2 * g] if update else None, group_of=group_of,
+                      num_groups=g, **exec_kwargs(self.device))
+
+            # norms take any layout: each list as it lies, else as dense views or copies
+            # (channels_last parameters and gradients, AdamW mode)
+            def run(gs, ps):
+                _C.norms(gs, ps, norms[0:g], norms[2 * g:],
+                         scratch=norms_scratch(self.device, gs, ps), **kw)
             try:
-                kw = dict(group_param=norms[g:2 * g] if update else None, group_of=group_of,
-                          num_groups=g, scratch=norms_scratch(self.device, grads, params))
-                _C.norms(grads, params, norms[0:g], norms[2 * g:], **kw,
-                         **exec_kwargs(self.device))
+                call_dense(run, grads, params, read_only=True)
             except (BufferError, ValueError, TypeError) as err:
                 self._reraise_named(err, self._gather(True)[1])
         extra = self._ungrouped_grads()
@@ -100,9 +105,11 @@ class ControlStepMixin:
         reference."""
         grads = [grad for _, grad in extra]
         out = torch.empty(2, dtype=torch.float32, device=self.device)
+        def run(gs):
+            _C.norms(gs, None, out[0:1], out[1:], group_of=[0] * len(gs), num_groups=1,
+                     scratch=norms_scratch(self.device, gs), **exec_kwargs(self.device))
         try:
-            _C.norms(grads, None, out[0:1], out[1:], group_of=[0] * len(grads), num_groups=1,
-                     scratch=norms_scratch(self.device, grads), **exec_kwargs(self.device))
+            call_dense(run, grads, read_only=True)
         except (BufferError, ValueError, TypeError) as err:
             reraise_with_names(err, [f"parameter {name!r} (outside the optimizer's groups, its "
                                      "gradient counts in the clip norm)" for name, _ in extra],
@@ -135,10 +142,12 @@ class ControlStepMixin:
         out = torch.zeros(g + 1, dtype=torch.float32, device=self.device)
         if missing:
             tensors = [p.detach() for _, p in missing]
-            try:
-                _C.norms(tensors, None, out[0:g], out[g:], group_of=[gi for gi, _ in missing],
-                         num_groups=g, scratch=norms_scratch(self.device, tensors),
+            def run(ts):
+                _C.norms(ts, None, out[0:g], out[g:], group_of=[gi for gi, _ in missing],
+                         num_groups=g, scratch=norms_scratch(self.device, ts),
                          **exec_kwargs(self.device))
+            try:
+                call_dense(run, tensors, read_only=True)
             except (BufferError, ValueError, TypeError) as err:
                 # "grads[i]" here counts the parameters without a gradient
                 self._reraise_named(err, [p for _, p in missing], ", which has no gradient")

@@ -68,7 +68,7 @@ def dense_views(tensors, copy_strided=False):
     views = list(tensors)
     changed = False
     for i, t in enumerate(views):
-        if not t.is_contiguous():
+        if t.layout == torch.strided and not t.is_contiguous():  # sparse: left for the C core
             order = dense_order(t)
             if order is not None:
                 views[i] = t.permute(order)

@@ -156,7 +156,7 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin, MetaLearningMixin,
         from torch's random generator in that order; CMS state only in CMS mode: B11 fixed).
         Returns the groups' parameter names."""
         groups, group_names = group_moe_params(model)
-        check_grouped(groups, group_names, self.device)
+        check_grouped(groups, group_names, self.device, self.use_cms_updates)
         self._param_names = {p: name for group, names in zip(groups, group_names)
                              for p, name in zip(group["params"], names)}
         # model parameters outside the groups: their gradients count in the clip norm (spec 8);
