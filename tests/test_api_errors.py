@@ -262,6 +262,10 @@ def test_norm_functions_name_a_sparse_gradient_and_scale_nothing():
     with pytest.raises(NotImplementedError,
                        match=r"^tensors\[1\]: torch.sparse_coo tensors are not supported"):
         titanmac_c.get_total_norm([p.grad for p in params])
+    opt = titanmac_c.AdamW(params)
+    with pytest.raises(NotImplementedError, match=r"^param_groups\[0\]\['params'\]\[1\]: "
+                                                  r"torch.sparse_coo gradients are not supported"):
+        opt.clip_grad_norm_(1.0)
     assert torch.equal(params[0].grad, grads[0]) and torch.equal(params[2].grad, grads[2])
 
 

@@ -132,6 +132,15 @@ def _lr_dtype(args, kw):
     return ValueError, "lr: expected float32 with 2 elements, got float16 with 2"
 
 
+def _scratch_in_a_state_tensor(args, kw):
+    """The scratch a call writes, over memory the call also steps (a state tensor here)."""
+    need = _C.cms_scratch_bytes(args["params"], levels=K, net="direct")
+    buf = torch.zeros(need // 4 + 16)
+    args["momentum"][0][3] = buf[4:16]
+    kw["scratch"] = buf.view(torch.uint8)[:need]
+    return ValueError, "scratch: shares memory with momentum\\[0\\]\\[3\\]"
+
+
 def _scratch(args, kw):
     kw["scratch"] = torch.empty(8, dtype=torch.uint8)
     need = _C.cms_scratch_bytes(args["params"], levels=K, net="direct")
@@ -207,8 +216,8 @@ KEYWORD_CASES = [
 
 CASES = [_state_numel, _state_dtype, _state_count, _params_float64, _grad_dtype, _steps_numel,
          _weights_count, _weights_numel, _levels_mismatch, _too_many_levels, _group_of, _alias,
-         _params_overlap, _lr_dtype, _scratch, _vsq_dtype, _accumulated_empty, _alias_index0,
-         _grads_alias_params] + KEYWORD_CASES
+         _params_overlap, _lr_dtype, _scratch, _scratch_in_a_state_tensor, _vsq_dtype,
+         _accumulated_empty, _alias_index0, _grads_alias_params] + KEYWORD_CASES
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.__name__[1:] for c in CASES])

@@ -54,6 +54,17 @@ def _gradients(optimizer, norm_type):
     return grads, None
 
 
+def _raise_if_sparse(optimizer):
+    """A sparse gradient fails the norms with torch's DLPack message ("no storage"): name it
+    (torch's clip_grad_norm_ raises NotImplementedError for it too)."""
+    for gi, group in enumerate(optimizer.param_groups):
+        for pi, p in enumerate(group["params"]):
+            if p.grad is not None and p.grad.layout != torch.strided:
+                raise NotImplementedError(f"param_groups[{gi}]['params'][{pi}]: {p.grad.layout} "
+                                          "gradients are not supported (nor by torch's "
+                                          "clip_grad_norm_)") from None
+
+
 def folded_clip(optimizer, max_norm, norm_type, error_if_nonfinite, total_norm):
     """(the total norm as AdamW.clip_grad_norm_ returns it, the [1] coefficient tensor on the
     gradients' device or None when there is no gradient). Writes nothing of the optimizer."""
@@ -96,7 +107,11 @@ def folded_clip(optimizer, max_norm, norm_type, error_if_nonfinite, total_norm):
                      max_norm=max_norm, scratch=norms_scratch(device, ts), **kwargs)
 
         with prof.step_range(prof.STATS):
-            call_dense(run, grads, read_only=True)
+            try:
+                call_dense(run, grads, read_only=True)
+            except (BufferError, RuntimeError):
+                _raise_if_sparse(optimizer)
+                raise
         total = buf[0:1]
     else:
         total = total_norm.reshape(1).to(work)

@@ -102,16 +102,16 @@ def _call_named(label, positions, fn, tensors, read_only=False):
     ("parameters[4]"; the names are made only on an error)."""
     try:
         return call_dense(fn, tensors, read_only=read_only)
-    except (ValueError, TypeError, BufferError) as exc:
-        reraise_with_names(exc, [f"{label}[{i}]" for i in positions])
-    except RuntimeError:
-        # torch's own error on a sparse tensor says nothing of which one (checked only here,
-        # on the error path: no cost to a step)
+    except (ValueError, TypeError, BufferError, RuntimeError) as exc:
+        # torch's own error on a sparse tensor (its DLPack export's) says only that it has no
+        # storage: say what it is (checked only here, on the error path: no cost to a step)
         for i, t in zip(positions, tensors):
             if t.layout != torch.strided:
                 raise NotImplementedError(f"{label}[{i}]: {t.layout} tensors are not supported "
                                           "(nor by torch's norm)") from None
-        raise
+        if isinstance(exc, RuntimeError):
+            raise
+        reraise_with_names(exc, [f"{label}[{i}]" for i in positions])
 
 
 def _total_on_device(label, positions, tensors, norm_type, device, max_norm=None):

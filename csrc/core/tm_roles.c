@@ -269,7 +269,7 @@ tm_roles_check(const tm_role *roles, int n, tm_device_ref *ref)
 }
 
 tm_status
-tm_check_scratch(const tm_exec *exec, size_t need)
+tm_check_scratch(const tm_exec *exec, size_t need, const tm_role *roles, int n)
 {
     TM_CHECK(exec->scratch_bytes >= need, TM_ERR_VALUE, "scratch: %zu bytes given, %zu needed",
              exec->scratch_bytes, need);
@@ -277,5 +277,21 @@ tm_check_scratch(const tm_exec *exec, size_t need)
              need);
     TM_CHECK(need == 0 || (uintptr_t)exec->scratch % sizeof(double) == 0, TM_ERR_VALUE,
              "scratch: address not aligned to %zu bytes", sizeof(double));
+    /* the call writes the scratch it uses: like a written tensor, it shares memory with none */
+    const uintptr_t lo = (uintptr_t)exec->scratch, hi = lo + need;
+    for (int k = 0; need > 0 && k < n; k++) {
+        const tm_role *r = &roles[k];
+        for (int32_t i = 0; i < r->list.count; i++) {
+            const tm_tensor *t = &r->list.tensors[i];
+            const uintptr_t a = (uintptr_t)t->data;
+            const uintptr_t b = a + (size_t)t->numel * tm_dtype_size(t->dtype);
+            if (present(r, i) && a < b && a < hi && lo < b) {
+                char label[TM_LABEL_TEXT];
+                return tm_set_error(TM_ERR_VALUE, __FILE__, __LINE__,
+                                    "scratch: shares memory with %s",
+                                    tm_label(r->list.name, index_of(r, i), label));
+            }
+        }
+    }
     return TM_OK;
 }

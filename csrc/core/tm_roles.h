@@ -38,7 +38,8 @@ tm_status tm_roles_structure(const tm_role *roles, int n);
  * call (other lists, other indices, lone inputs; tensors only read may share). */
 tm_status tm_roles_check(const tm_role *roles, int n, tm_device_ref *ref);
 
-/* exec->scratch holds at least need bytes, 8-byte aligned (CPU partials are doubles). */
-tm_status tm_check_scratch(const tm_exec *exec, size_t need);
+/* exec->scratch holds at least need bytes, 8-byte aligned (CPU partials are doubles), sharing
+ * memory with no tensor of roles[0, n) (the call writes it). */
+tm_status tm_check_scratch(const tm_exec *exec, size_t need, const tm_role *roles, int n);
 
 #endif /* TM_ROLES_H */

@@ -89,7 +89,7 @@ tm_validate_norms(const tm_tensor_list *grads, const tm_tensor_list *params,
      * infinite norm, as torch's) */
     TM_CHECK(!tm_tensor_given(&out->coef) || args->max_norm >= 0.0, TM_ERR_VALUE,
              "max_norm = %g: must be >= 0 (inf: no clipping)", args->max_norm);
-    return tm_check_scratch(exec, tm_norms_scratch_bytes(grads, params));
+    return tm_check_scratch(exec, tm_norms_scratch_bytes(grads, params), roles, NORMS_ROLES);
 }
 
 /* ---------------------------------------------------------------- clip, scale ---- */
@@ -110,7 +110,7 @@ tm_validate_clip(const tm_tensor *total_norm, double max_norm, const tm_tensor *
              max_norm);
     TM_TRY(tm_check_real_numel(total_norm, "total_norm", TM_NO_INDEX, 1));
     TM_TRY(tm_check_real_numel(coef, "coef", TM_NO_INDEX, 1));
-    return tm_check_scratch(exec, 0);
+    return tm_check_scratch(exec, 0, roles, 2);
 }
 
 tm_status
@@ -127,7 +127,7 @@ tm_validate_scale(const tm_tensor_list *tensors, const tm_tensor *scale, const t
     TM_TRY(tm_roles_structure(roles, 2));
     TM_TRY(tm_roles_check(roles, 2, ref));
     TM_TRY(tm_check_real_numel(scale, "scale", TM_NO_INDEX, 1));
-    return tm_check_scratch(exec, 0);
+    return tm_check_scratch(exec, 0, roles, 2);
 }
 
 /* ---------------------------------------------------------------- AdamW ---- */
@@ -252,5 +252,5 @@ tm_validate_adamw(const tm_adamw_tensors *t, const tm_adamw_args *args, const tm
                 roles[k].list.tensors, roles[k].list.name, TM_NO_INDEX, 1));
         }
     }
-    return tm_check_scratch(exec, tm_adamw_scratch_bytes(t));
+    return tm_check_scratch(exec, tm_adamw_scratch_bytes(t), roles, ADAMW_ROLES);
 }

@@ -241,7 +241,8 @@ tm_validate_cms(const tm_cms_tensors *t, const tm_cms_args *args, const tm_cms_i
     TM_TRY(check_cms_weights(&roles[n - CMS_TAIL + CMS_WEIGHTS].list, args));
     TM_TRY(check_cms_hparams(args));
     TM_TRY(check_cms_inputs(in, args, t->params.count));
-    return tm_check_scratch(exec, tm_cms_scratch_bytes(&t->params, args->levels, args->net));
+    return tm_check_scratch(exec, tm_cms_scratch_bytes(&t->params, args->levels, args->net), roles,
+                            n);
 }
 
 /* ---------------------------------------------------------------- tm_cms_surrogate ---- */
@@ -307,5 +308,6 @@ tm_validate_cms_surrogate(const tm_cms_surrogate_tensors *t, const tm_cms_surrog
     }
     TM_CHECK(tm_tensor_given(&in->losses), TM_ERR_VALUE, "losses: required (one per target)");
     TM_TRY(tm_check_f32_numel(&in->losses, "losses", TM_NO_INDEX, t->targets.count));
-    return tm_check_scratch(exec, tm_cms_surrogate_scratch_bytes(&t->targets, args->layers));
+    return tm_check_scratch(exec, tm_cms_surrogate_scratch_bytes(&t->targets, args->layers),
+                            roles, SUR_ROLES);
 }

@@ -130,5 +130,5 @@ tm_validate_dno_control(const tm_dno_control_tensors *t, const tm_dno_control_ar
     TM_TRY(check_dno_numels(roles, args->num_groups));
     TM_TRY(check_dno_weights(&roles[DNO_WEIGHTS].list, args));
     TM_TRY(check_dno_hparams(args));
-    return tm_check_scratch(exec, 0);
+    return tm_check_scratch(exec, 0, roles, DNO_ROLES);
 }

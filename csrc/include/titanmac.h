@@ -21,8 +21,8 @@
  *   - every function returns tm_status; details of the last failure on this thread come from
  *     tm_last_error(). Nothing prints, exits or aborts.
  *   - every input is validated before the first write: a failing call changes no tensor.
- *   - no tensor a call writes may share memory with another tensor of the call (TM_ERR_VALUE
- *     "x: shares memory with y"); tensors a call only reads may share.
+ *   - no tensor a call writes (nor its scratch) may share memory with another tensor of the
+ *     call (TM_ERR_VALUE "x: shares memory with y"); tensors a call only reads may share.
  *   - the library allocates no device memory and nothing that outlives a call: scratch is passed
  *     in (tm_exec), sized by *_scratch_bytes(); only the memory-sharing check takes host memory
  *     (two spans per tensor) while it runs.
