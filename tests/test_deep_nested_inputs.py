@@ -159,12 +159,13 @@ def test_nan_in_an_ungrouped_gradient_skips_the_step(device, kw):
 @pytest.mark.parametrize("kw", MODES, ids=MODE_IDS)
 def test_a_model_frozen_at_construction_steps_as_the_references(device, kw):
     """Every parameter frozen when the optimizer is built: the reference builds empty groups and
-    its steps still run the controller (its multipliers and loss EMA move); a layer unfrozen later
-    counts in the clip norm and is never updated. Checkpoints load both ways."""
+    its steps still run the controller (its multipliers and loss EMA move) and the meta-updates
+    (every 2 steps here; no momenta: their statistics are 0); a layer unfrozen later counts in
+    the clip norm and is never updated. Checkpoints load both ways."""
     torch.manual_seed(0)
     model = PartlyFrozen().to(device)
     model.lin.requires_grad_(False)
-    (model_r, ref), (model_o, ours) = reference_and_ours(model, **kw)
+    (model_r, ref), (model_o, ours) = reference_and_ours(model, meta_update_freq=2, **kw)
     assert [len(g["params"]) for g in ours.param_groups] == [0, 0]
     before = [p.detach().clone() for p in model_o.parameters()]
     for step in range(1, 7):
@@ -185,6 +186,10 @@ def test_a_model_frozen_at_construction_steps_as_the_references(device, kw):
     for p, b in zip(model_o.parameters(), before):
         assert torch.equal(p.detach(), b)
     assert float(ours._norms[-1]) > 0  # the unfrozen layer's gradients were normed
+    assert ours.get_momentum_stats() == ref.get_momentum_stats()
+    for opt in (ref, ours):
+        opt.meta_update({"x": 0}, use_unrolled=False, loss_fn=lambda m, b: torch.tensor(1.0))
+    torch.testing.assert_close(ours.last_meta_loss, ref.last_meta_loss, rtol=1e-5, atol=1e-7)
     ref.load_state_dict(_roundtrip(ours.state_dict()))
     ours.load_state_dict(_roundtrip(ref.state_dict()))
     assert ours.global_step == 6

@@ -153,3 +153,49 @@ def test_a_parameter_dense_in_no_order_is_refused_at_construction():
     model.weight = torch.nn.Parameter(torch.randn(3, 8)[:, ::2])
     with pytest.raises(BufferError, match=r"parameter 'weight': not dense in any order"):
         titanmac_c.DeepNestedOptimizer(model)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_strided_gradients_are_clipped_in_memory_for_step_hooks_as_the_references(device):
+    """With a step hook on base_optimizer the gradients are clipped in memory before the hooks
+    (README): strided slices (no permutation makes them dense) by torch's mul_, the rest by the
+    C core. The hook sees the reference's clipped gradients."""
+    torch.manual_seed(0)
+    (model_r, ref), (model_o, ours) = reference_and_ours(
+        make_mlp_10_32_5(seed=0).to(device), max_grad_norm=0.05)
+    seen = {"ref": [], "ours": []}
+    for key, opt in (("ref", ref), ("ours", ours)):
+        opt.base_optimizer.register_step_pre_hook(
+            lambda o, a, k, key=key: seen[key].append(
+                [p.grad.clone() for g in o.param_groups for p in g["params"]]))
+    for step in range(1, 6):
+        gen = torch.Generator().manual_seed(300 + step)
+        for pr, po in zip(model_r.parameters(), model_o.parameters()):
+            g = torch.randn(*pr.shape[:-1], 2 * pr.shape[-1], generator=gen)[..., ::2]
+            pr.grad, po.grad = g.clone().to(device), g.to(device)  # ours: a strided slice
+        ref.step(0.5)
+        ours.step(0.5)
+        assert not model_o[0].weight.grad.is_contiguous()
+        for gr, go in zip(seen["ref"][-1], seen["ours"][-1]):
+            torch.testing.assert_close(go, gr, **F32_TOL)
+        for pr, po in zip(model_r.parameters(), model_o.parameters()):
+            torch.testing.assert_close(po.detach(), pr.detach(), **F32_TOL)
+    assert float(ours._coef) < 1.0  # the clip mattered
+
+
+def test_a_float64_loss_beyond_float32_is_stepped_as_the_references():
+    """A finite float64 loss tensor above float32's largest value: the reference steps (its loss
+    EMA becomes inf); ours takes it as float32's largest value, as it takes such a float loss,
+    and steps too (rounding it to inf would have the device guard skip the step)."""
+    (model_r, ref), (model_o, ours) = reference_and_ours(make_mlp_10_32_5(seed=0).double())
+    batch = _vectors("cpu", torch.float64)
+    for step in range(1, 4):
+        for m, opt in ((model_r, ref), (model_o, ours)):
+            opt.zero_grad()
+            loss = m(batch(step)).square().mean()
+            loss.backward()
+            opt.step(loss.detach() + (1e300 if step == 3 else 0.0))
+        assert float(ours.skipped) == 0.0
+        for pr, po in zip(model_r.parameters(), model_o.parameters()):
+            torch.testing.assert_close(po.detach(), pr.detach(), **F64_TOL)
+    assert float(ours.ema_loss[0]) == pytest.approx(3.4028234663852886e+37)

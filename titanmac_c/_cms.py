@@ -69,10 +69,11 @@ class CMSModeMixin:
     def get_momentum_stats(self):
         """Norms of every (tensor, level) momentum (one host sync). AdamW mode keeps no momentum
         buffers: the reference's all-zero ones give 0."""
-        if self._cms is None:
+        momenta = self._cms.momenta() if self._cms is not None else []
+        if not momenta:  # also a model frozen at construction: no CMS state
             return {"momentum_total_norm": 0.0, "momentum_avg_norm": 0.0,
                     "global_step": self.global_step}
-        norms = torch._foreach_norm(self._cms.momenta())
+        norms = torch._foreach_norm(momenta)
         total = torch.stack(list(norms)).sum().item()
         return {"momentum_total_norm": total, "momentum_avg_norm": total / len(norms),
                 "global_step": self.global_step}

@@ -43,7 +43,6 @@ import warnings
 
 import torch
 
-from . import _C
 from . import _profiling as prof
 from ._reference_dno import (
     DIRECT_MLP_MAX_HIDDEN,
@@ -76,17 +75,20 @@ from ._dno_checkpoint import CheckpointMixin
 from ._dno_control import ControlStepMixin, watch_model_edits
 from ._dno_meta import MetaLearningMixin
 from ._step_hooks import has_step_hooks, with_step_hooks
-from ._runtime import (
-    Scratch,
-    as_number,
-    call_dense,
-    exec_kwargs,
-    mark_written,
-)
+from ._runtime import Scratch, as_number
+from .functional import _scale_grads
 from .optim import AdamW
 
 
 _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def _in_float32_range(loss):
+    """A float64 loss tensor that is finite beyond float32's range as its largest value (as a
+    float loss is taken), not inf, which the device guard would skip; NaN and inf kept."""
+    if loss.dtype != torch.float64:
+        return loss
+    return torch.where(loss.isfinite(), loss.clamp(-_FLOAT32_MAX, _FLOAT32_MAX), loss)
 
 class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin, MetaLearningMixin,
                           CheckpointMixin):
@@ -277,7 +279,7 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin, MetaLearningMixin,
                     "skipped": True, "reason": "nan_loss"}
         with torch.no_grad():
             if isinstance(loss, torch.Tensor):  # one that cannot be read raises: no step yet
-                self._loss.copy_(loss.detach().reshape(1))
+                self._loss.copy_(_in_float32_range(loss.detach().reshape(1)))
             else:  # a finite float beyond float32's range: its largest value, as a step goes on
                 self._loss.fill_(max(-_FLOAT32_MAX, min(loss, _FLOAT32_MAX)))
             self.global_step = t
@@ -373,8 +375,8 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin, MetaLearningMixin,
             return
         if self.max_grad_norm > 0:
             grads = self._gather(with_params=False)[0]
-            call_dense(lambda ts: _C.scale_(ts, self._coef, **exec_kwargs(self.device)), grads)
-            mark_written(grads)
+            # as the C core's clip where it can, strided slices by torch's mul_ (functional's)
+            _scale_grads(self.device, list(range(len(grads))), grads, self._coef)
             self._clipped_in_place = True
         kept = [group["lr"] for group in base.param_groups]
         for group, mu in zip(base.param_groups, self._lr_multipliers.tolist()):
