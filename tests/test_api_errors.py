@@ -427,6 +427,19 @@ def _alias(key, other):
     return spoil
 
 
+def test_a_state_entry_that_is_no_dict_is_named():
+    """optimizer.state[p] set by hand to a list: torch's AdamW fails with a TypeError naming no
+    parameter; ours names it, before anything is written."""
+    opt, params = _setup()
+    opt.state[params[1]] = [1, 2]
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(TypeError, match=r"^param_groups\[1\]\['params'\]\[0\]: its state is a "
+                                        r"list, expected a dict$"):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+    assert all(opt.state[p]["step"].item() == 2 for p in params if p is not params[1])
+
+
 @pytest.mark.parametrize("spoil, exc, match", [
     (_alias("exp_avg_sq", "exp_avg"), ValueError, "shares memory"),
     (_alias("max_exp_avg_sq", "exp_avg_sq"), ValueError, "shares memory"),

@@ -305,6 +305,10 @@ class AdamW(Optimizer):
                 if p.dtype not in SUPPORTED_DTYPES and p.dtype not in COMPLEX_DTYPES:
                     check_supported_dtype(name, p)  # raises; also for state loaded elsewhere
                 state = self.state.get(p)
+                if state is not None and not isinstance(state, dict):
+                    # set by hand; torch's AdamW fails on it too, naming no parameter
+                    raise TypeError(f"{name}: its state is a {type(state).__name__}, "
+                                    "expected a dict")
                 if not state:
                     state = new_state.get(p)
                     if state is None:
