@@ -167,5 +167,9 @@ def test_checkpoints_between_torch_and_ours(device):
 def test_deep_nested_optimizer_refuses_complex():
     model = torch.nn.Linear(4, 3).to(torch.complex64)
     with pytest.raises(BufferError, match=r"parameter 'weight': dtype torch.complex64 is not "
-                                          r"supported .*float64 and complex models"):
+                                          r"supported \(float32, bfloat16, float16, float64; .*"
+                                          r"titanmac_c.AdamW also steps complex models"):
         titanmac_c.DeepNestedOptimizer(model)
+    with pytest.raises(BufferError, match=r"supported \(float32, bfloat16, float16; .*"
+                                          r"also steps float64 and complex models"):
+        titanmac_c.DeepNestedOptimizer(model, use_cms_updates=True)

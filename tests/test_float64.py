@@ -1,8 +1,8 @@
 """float64 parameters (scientific models, gradient checks): AdamW, clipping and the norms compute
 them in double, as torch does, element by element against torch over 20 steps; float64 mixed with
 float32 in one optimizer; checkpoints both ways (tests/test_complex.py, with complex128 ones); the
-DeepNestedOptimizer, which computes in float32, refuses float64 by name (the CMS op's refusal:
-tests/test_cms_op_errors.py)."""
+DeepNestedOptimizer's CMS mode, which computes in float32, refuses float64 by name (the CMS op's
+refusal: tests/test_cms_op_errors.py; AdamW mode trains them: tests/test_deep_nested_layouts.py)."""
 
 import pytest
 import torch
@@ -115,9 +115,11 @@ def test_group_norms_in_double():
     assert float(titanmac_c.group_norms(grads).nonfinite) == 1.0
 
 
-def test_deep_nested_optimizer_refuses_float64():
+def test_deep_nested_optimizer_refuses_float64_in_cms_mode():
+    """AdamW mode trains float64 models (tests/test_deep_nested_layouts.py); CMS mode computes its
+    state in float32."""
     model = torch.nn.Linear(4, 3).double()
     with pytest.raises(BufferError, match=r"parameter 'weight': dtype torch.float64 is not "
                                           r"supported .*titanmac_c.AdamW also steps float64"):
-        titanmac_c.DeepNestedOptimizer(model)
+        titanmac_c.DeepNestedOptimizer(model, use_cms_updates=True)
 
