@@ -13,7 +13,7 @@ from ._distributed import is_dtensor
 from ._runtime import dense_order
 from ._reference_dno import MAX_LR_MULT
 
-# the control step and the CMS update compute in float32 (titanmac_c.AdamW also takes float64)
+# the CMS update's parameter dtypes (it computes in float32); AdamW mode also takes float64
 DNO_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 

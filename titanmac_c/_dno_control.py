@@ -75,6 +75,7 @@ class ControlStepMixin:
             def run(gs, ps):
                 _C.norms(gs, ps, norms[0:g], norms[2 * g:],
                          scratch=norms_scratch(self.device, gs, ps), **kw)
+
             try:
                 call_dense(run, grads, params, read_only=True)
             except (BufferError, ValueError, TypeError) as err:
@@ -105,9 +106,11 @@ class ControlStepMixin:
         reference."""
         grads = [grad for _, grad in extra]
         out = torch.empty(2, dtype=torch.float32, device=self.device)
+
         def run(gs):
             _C.norms(gs, None, out[0:1], out[1:], group_of=[0] * len(gs), num_groups=1,
                      scratch=norms_scratch(self.device, gs), **exec_kwargs(self.device))
+
         try:
             call_dense(run, grads, read_only=True)
         except (BufferError, ValueError, TypeError) as err:
@@ -142,10 +145,12 @@ class ControlStepMixin:
         out = torch.zeros(g + 1, dtype=torch.float32, device=self.device)
         if missing:
             tensors = [p.detach() for _, p in missing]
+
             def run(ts):
                 _C.norms(ts, None, out[0:g], out[g:], group_of=[gi for gi, _ in missing],
                          num_groups=g, scratch=norms_scratch(self.device, ts),
                          **exec_kwargs(self.device))
+
             try:
                 call_dense(run, tensors, read_only=True)
             except (BufferError, ValueError, TypeError) as err:
