@@ -66,15 +66,20 @@ class CMSModeMixin:
     """The CMS-mode steps of DeepNestedOptimizer (its attributes: _cms, momentum_mlp,
     mlp_optimizer, base_optimizer, _lr, _coef, skipped, _loss, ...)."""
 
+    def _momentum_norms(self):
+        """The norm of every (tensor, level) momentum, as device tensors; none in AdamW mode or
+        without grouped tensors (a model frozen at construction), where the reference's are 0."""
+        momenta = self._cms.momenta() if self._cms is not None else []
+        return list(torch._foreach_norm(momenta)) if momenta else []
+
     def get_momentum_stats(self):
         """Norms of every (tensor, level) momentum (one host sync). AdamW mode keeps no momentum
         buffers: the reference's all-zero ones give 0."""
-        momenta = self._cms.momenta() if self._cms is not None else []
-        if not momenta:  # also a model frozen at construction: no CMS state
+        norms = self._momentum_norms()
+        if not norms:
             return {"momentum_total_norm": 0.0, "momentum_avg_norm": 0.0,
                     "global_step": self.global_step}
-        norms = torch._foreach_norm(momenta)
-        total = torch.stack(list(norms)).sum().item()
+        total = torch.stack(norms).sum().item()
         return {"momentum_total_norm": total, "momentum_avg_norm": total / len(norms),
                 "global_step": self.global_step}
 

@@ -62,10 +62,8 @@ class MetaLearningMixin:
         clipped ones in the reference, hence the default grad_scale."""
         if grad_scale is CURRENT:
             grad_scale = self._clip_of_current_gradients()
-        momentum_norm = 0.0
-        momenta = self._cms.momenta() if self._cms is not None else []
-        if momenta:  # none: a model frozen at construction (the reference's mean is 0.0 then)
-            momentum_norm = torch.stack(list(torch._foreach_norm(momenta))).mean().item()
+        norms = self._momentum_norms()
+        momentum_norm = torch.stack(norms).mean().item() if norms else 0.0
         self.meta_trainer.record_step(float(loss_value), self._lr_multipliers.clone(),
                                       momentum_norm)
         stats = self._group_stats(grad_scale)

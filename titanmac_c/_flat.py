@@ -133,8 +133,8 @@ class Batch:
         self.lr_dtype = torch.float32
 
     def add(self, gi, name, p, grad, state, dtensor):
-        """p's tensors (of param_groups[gi]) appended: for a DTensor its local shards, for a complex p the
-        real views, gradient and state in the parameter's layout."""
+        """p's tensors (of param_groups[gi]) appended: for a DTensor its local shards, for a
+        complex p the real views, gradient and state in the parameter's layout."""
         dtype = p.dtype
         if dtensor is not None and isinstance(p, dtensor):
             # FSDP2 / tensor parallel: the element-wise step of the local shards (the

@@ -224,6 +224,17 @@ sweep_spans(const tm_role *roles, const tm_span *s, int64_t n)
     return TM_OK;
 }
 
+/* Tensor i of r as its bytes [*lo, *hi) (imported tensors are compact); 0 when it has none
+ * (a lone tensor not given, or no elements). */
+static int
+tensor_bytes(const tm_role *r, int32_t i, uintptr_t *lo, uintptr_t *hi)
+{
+    const tm_tensor *t = &r->list.tensors[i];
+    *lo = (uintptr_t)t->data;
+    *hi = *lo + (size_t)t->numel * tm_dtype_size(t->dtype);
+    return present(r, i) && *lo < *hi;
+}
+
 static tm_status
 check_disjoint(const tm_role *roles, int n)
 {
@@ -241,13 +252,11 @@ check_disjoint(const tm_role *roles, int n)
     for (int k = 0; k < n; k++) {
         const tm_role *r = &roles[k];
         for (int32_t i = 0; i < r->list.count; i++) {
-            const tm_tensor *t = &r->list.tensors[i];
-            size_t bytes = (size_t)t->numel * tm_dtype_size(t->dtype);
-            if (!present(r, i) || bytes == 0) {
-                continue;
+            uintptr_t lo, hi;
+            if (tensor_bytes(r, i, &lo, &hi)) {
+                s[m++] = (tm_span){lo, hi, k, i,
+                                   (r->flags & (TM_ROLE_WRITTEN | TM_ROLE_STORED)) != 0};
             }
-            s[m++] = (tm_span){(uintptr_t)t->data, (uintptr_t)t->data + bytes, k, i,
-                               (r->flags & (TM_ROLE_WRITTEN | TM_ROLE_STORED)) != 0};
         }
     }
     tm_status st = m > 1 ? sweep_spans(roles, sort_spans(s, s + count, m), m) : TM_OK;
@@ -282,10 +291,8 @@ tm_check_scratch(const tm_exec *exec, size_t need, const tm_role *roles, int n)
     for (int k = 0; need > 0 && k < n; k++) {
         const tm_role *r = &roles[k];
         for (int32_t i = 0; i < r->list.count; i++) {
-            const tm_tensor *t = &r->list.tensors[i];
-            const uintptr_t a = (uintptr_t)t->data;
-            const uintptr_t b = a + (size_t)t->numel * tm_dtype_size(t->dtype);
-            if (present(r, i) && a < b && a < hi && lo < b) {
+            uintptr_t a, b;
+            if (tensor_bytes(r, i, &a, &b) && a < hi && lo < b) {
                 char label[TM_LABEL_TEXT];
                 return tm_set_error(TM_ERR_VALUE, __FILE__, __LINE__,
                                     "scratch: shares memory with %s",
