@@ -1,11 +1,8 @@
 """CMS mode (use_cms_updates=True) of titanmac_c.DeepNestedOptimizer against the pure-PyTorch
 reference, step by step over 250+ steps (crossing level-2 firings), both momentum networks,
 cms_frequencies [1,10,100] and [1,5,50], with and without weight decay, with an injected NaN
-gradient; and an exact resume from a checkpoint taken mid-period.
-
-Tolerance (fp32): as in AdamW mode, norms and the MLP evaluations are summed in a different order
-than torch's (the C core evaluates the per-element MLP itself), a few ulps per step; over 250
-steps parameters agree within PARAM_TOL.
+gradient; and an exact resume from a checkpoint taken mid-period. The comparison and its
+tolerances: tests/cms_checks.py.
 """
 
 import copy
@@ -17,39 +14,9 @@ import torch
 
 import titanmac_c
 from titanmac_c._reference_dno import ReferenceDeepNestedOptimizer
-from conftest import (DEVICES, STATE_NMSE, RecordHostReads, assert_nmse_close,
-                      reference_and_ours, sync_cms_from_reference)
+from cms_checks import NAN_GRAD_STEP, cms_pair, cms_step, compare_cms
+from conftest import DEVICES, STATE_NMSE, RecordHostReads, sync_cms_from_reference
 from dno_models import loss_fn, make_mlp_10_32_5, synthetic_batches
-
-PARAM_TOL = dict(rtol=1e-4, atol=1e-6)
-NAN_GRAD_STEP = 37
-# The DirectUpdateMLP path is chaotic in its last bits: when m' = 0.9 m + 0.1 delta cancels to
-# |m| < e^-10, the next step's sign feature multiplies a last-bit difference by e^10 = 22026,
-# and Phase 1 trains the MLP on those momenta. The reference run against itself with one MLP
-# weight moved by 1 ulp diverges far beyond rounding within 100 steps
-# (test_reference_itself_is_this_sensitive). So: the legacy network runs free for 250 steps; the
-# direct network runs free for 50 steps, and over 250 steps each step starts from the reference's
-# state (parameters, CMS buffers, MLP and its optimizer: sync_cms_from_reference), which checks
-# every step's computation on 250 evolving states, level-2 firings and the NaN step included.
-# There each step's update is compared element by element (within 1e-4 of itself plus 2 ulps of
-# the parameter: p - lr u rounds to p's ulp), and so are the CMS buffers in every run that does
-# not drift (STATE_REL of the element plus STATE_REL of the tensor's largest element; measured:
-# 2.2e-6 of the largest element with the direct network resynced, 6.8e-7 with the legacy one
-# free over 250 steps). The one free-running direct test compares buffers by normalized squared
-# error (conftest.assert_nmse_close).
-STATE_REL = 1e-5
-
-
-def _randomize_legacy_output(ref, ours):
-    """The reference zeroes the legacy network's output layer and nothing ever trains it (no
-    surrogate, no gradient from the meta loss), so (a, b, d) would be constants and the network's
-    inputs (statistics of m and g, t, base_lr, the loss) untested: random output weights, the
-    same in both."""
-    out = ref.momentum_mlp.net[-1]
-    gen = torch.Generator().manual_seed(123)
-    with torch.no_grad():
-        out.weight.copy_((torch.rand(out.weight.shape, generator=gen) - 0.5) * 0.6)
-    ours.momentum_mlp.load_state_dict(ref.momentum_mlp.state_dict())
 
 
 def _deep_mlp(seed=0, hidden_layers=10):
@@ -63,76 +30,13 @@ def _deep_mlp(seed=0, hidden_layers=10):
         return torch.nn.Sequential(*layers, torch.nn.Linear(8, 5))
 
 
-def _pair(device, model=None, **kw):
-    model = make_mlp_10_32_5(seed=0) if model is None else model
-    pair = reference_and_ours(model.to(device), use_cms_updates=True, **kw)
-    if not kw.get("use_preprocessing", True):
-        _randomize_legacy_output(pair[0][1], pair[1][1])
-    return pair
-
-
-def _one_step(model, opt, batch, step, inject=True):
-    opt.zero_grad()
-    loss = loss_fn(model, batch)
-    loss.backward()
-    if inject and step == NAN_GRAD_STEP:
-        next(model.parameters()).grad.view(-1)[3] = math.nan
-    return opt.step(loss.item())
-
-
-def _assert_state_close(actual, expected, what):
-    """Same non-finite positions; elsewhere |a - e| <= STATE_REL (|e| + max |e|)."""
-    a, e = actual.double(), expected.double()
-    finite = torch.isfinite(e)
-    assert torch.equal(torch.isfinite(a), finite), f"{what}: non-finite elements differ"
-    a, e = a[finite], e[finite]
-    if e.numel():
-        bound = STATE_REL * (e.abs() + e.abs().max())
-        worst = float(((a - e).abs() / bound.clamp(min=1e-300)).max())
-        assert worst <= 1.0, f"{what}: {worst:.2f} x the tolerance"
-
-
-def _assert_update_close(p_ours, p_ref, p_before, what):
-    """From the same p_before: ours moved p as the reference did, within 1e-4 of the update plus
-    2 ulps of p (the rounding of p - lr u)."""
-    before = p_before.detach().double()
-    u_ours, u_ref = p_ours.detach().double() - before, p_ref.detach().double() - before
-    ulp = (torch.nextafter(p_before.detach().abs(),
-                          torch.tensor(math.inf, device=p_before.device)) -
-           p_before.detach().abs()).double()
-    bound = 1e-4 * u_ref.abs() + 2 * ulp
-    worst = float(((u_ours - u_ref).abs() / bound).max())
-    assert worst <= 1.0, f"{what}: update {worst:.2f} x the tolerance"
-
-
-def _compare(ref, ours, model_ref, model_ours, step, before=None, elementwise=True):
-    """Parameters (element-wise; with `before`, the parameters both started this step from,
-    the step's update), CMS buffers m_l, A_l, e_0 and fire counts, multipliers."""
-    check = _assert_state_close if elementwise else assert_nmse_close
-    for i, ((name, pr), po) in enumerate(zip(model_ref.named_parameters(),
-                                             model_ours.parameters())):
-        if before is None:
-            torch.testing.assert_close(po.detach(), pr.detach(), **PARAM_TOL,
-                                       msg=lambda m: f"step {step} {name}: {m}")
-        else:
-            _assert_update_close(po, pr, before[i], f"step {step} {name}")
-        for level, (mine, lvl) in enumerate(zip(ours.state[po].levels, ref.state[pr].levels)):
-            check(mine.momentum, lvl.momentum, f"step {step} {name} m{level}")
-            check(mine.accumulated_grad, lvl.accumulated_grad, f"step {step} {name} A{level}")
-            if level == 0:
-                check(mine.ema_grad, lvl.ema_grad, f"step {step} {name} e0")
-            assert mine.step_count == lvl.step_count, (step, name, level)
-    torch.testing.assert_close(ours.get_lr_multipliers(), ref.get_lr_multipliers(), rtol=1e-5,
-                               atol=1e-6)
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("preprocessing", [True, False], ids=["direct", "legacy"])
 @pytest.mark.parametrize("freqs", [[1, 10, 100], [1, 5, 50]], ids=["f1-10-100", "f1-5-50"])
 @pytest.mark.parametrize("wd", [0.0, 0.01], ids=["wd0", "wd0.01"])
 def test_cms_parity_250_steps(device, preprocessing, freqs, wd):
     steps = 250
-    (model_r, ref), (model_o, ours) = _pair(
+    (model_r, ref), (model_o, ours) = cms_pair(
         device, cms_frequencies=freqs, use_preprocessing=preprocessing, weight_decay=wd,
         meta_update_freq=50)
     batches = synthetic_batches("mlp", steps, seed=7, device=device)
@@ -141,36 +45,36 @@ def test_cms_parity_250_steps(device, preprocessing, freqs, wd):
         if preprocessing:
             sync_cms_from_reference(ref, ours, model_r, model_o)
             before = [p.detach().clone() for p in model_r.parameters()]
-        res_r = _one_step(model_r, ref, batch, step)
-        res_o = _one_step(model_o, ours, batch, step)
+        res_r = cms_step(model_r, ref, batch, step)
+        res_o = cms_step(model_o, ours, batch, step)
         if step == NAN_GRAD_STEP:  # the clip norm is NaN: the whole step is skipped
             assert res_r.get("skipped") and float(ours.skipped) == 1.0
         else:
             assert set(res_o) == set(res_r), step
-        _compare(ref, ours, model_r, model_o, step, before)
+        compare_cms(ref, ours, model_r, model_o, step, before)
 
 
 @pytest.mark.parametrize("freqs", [[1, 10, 100], [1, 5, 50]], ids=["f1-10-100", "f1-5-50"])
 def test_cms_direct_parity_without_resync_50_steps(freqs):
-    (model_r, ref), (model_o, ours) = _pair("cpu", cms_frequencies=freqs, weight_decay=0.01,
+    (model_r, ref), (model_o, ours) = cms_pair("cpu", cms_frequencies=freqs, weight_decay=0.01,
                                             meta_update_freq=25)
     for step, batch in enumerate(synthetic_batches("mlp", 50, seed=7), start=1):
-        _one_step(model_r, ref, batch, step)
-        _one_step(model_o, ours, batch, step)
-        _compare(ref, ours, model_r, model_o, step, elementwise=False)
+        cms_step(model_r, ref, batch, step)
+        cms_step(model_o, ours, batch, step)
+        compare_cms(ref, ours, model_r, model_o, step, elementwise=False)
 
 
 def _phase1_steps(device, ours_setup, check, model=None):
     """15 steps from the reference's state (synced every step); after each Phase 1 step the
     surrogate loss against the reference's, and check(step, name, ours, ref) on the MLP's
     weights (6 tensors here)."""
-    (model_r, ref), (model_o, ours) = _pair(device, model)
+    (model_r, ref), (model_o, ours) = cms_pair(device, model)
     ours_setup(ours)
     batches = synthetic_batches("mlp", 15, seed=3, device=device)
     for step, batch in enumerate(batches, start=1):
         sync_cms_from_reference(ref, ours, model_r, model_o)
-        _one_step(model_r, ref, batch, step, inject=False)
-        _one_step(model_o, ours, batch, step, inject=False)
+        cms_step(model_r, ref, batch, step, inject=False)
+        cms_step(model_o, ours, batch, step, inject=False)
         if step % ours.mlp_train_freq == 0:
             torch.testing.assert_close(ours._last_surrogate_loss, ref._last_surrogate_loss,
                                        rtol=1e-5, atol=0, msg=lambda m: f"step {step}: {m}")
@@ -218,8 +122,8 @@ def test_reference_itself_is_this_sensitive():
         w = b.momentum_mlp.net[0].weight.view(-1)
         w[0] = torch.nextafter(w[0], torch.tensor(10.0))
     for step, batch in enumerate(synthetic_batches("mlp", 100, seed=7), start=1):
-        _one_step(model_a, a, batch, step, inject=False)
-        _one_step(model_b, b, batch, step, inject=False)
+        cms_step(model_a, a, batch, step, inject=False)
+        cms_step(model_b, b, batch, step, inject=False)
     ma = a.state[next(model_a.parameters())].levels[0].momentum.double()
     mb = b.state[next(model_b.parameters())].levels[0].momentum.double()
     assert float((ma - mb).pow(2).sum() / ma.pow(2).sum()) > 100 * STATE_NMSE
@@ -359,7 +263,7 @@ def test_nan_gradient_without_clipping_skips_the_level_contribution(device, prep
     """With clipping off the NaN reaches the CMS update: the level contributions of that tensor
     are skipped (its level accumulators hold the NaN until they fire), the other tensors update
     normally; every step compared, NaN positions included (the direct network resynced)."""
-    (model_r, ref), (model_o, ours) = _pair(device, max_grad_norm=0.0,
+    (model_r, ref), (model_o, ours) = cms_pair(device, max_grad_norm=0.0,
                                             use_preprocessing=preprocessing)
     batches = synthetic_batches("mlp", 45, seed=8, device=device)
     for step, batch in enumerate(batches, start=1):
@@ -367,9 +271,9 @@ def test_nan_gradient_without_clipping_skips_the_level_contribution(device, prep
         if preprocessing:
             sync_cms_from_reference(ref, ours, model_r, model_o)
             before = [p.detach().clone() for p in model_r.parameters()]
-        _one_step(model_r, ref, batch, step)
-        _one_step(model_o, ours, batch, step)
-        _compare(ref, ours, model_r, model_o, step, before)
+        cms_step(model_r, ref, batch, step)
+        cms_step(model_o, ours, batch, step)
+        compare_cms(ref, ours, model_r, model_o, step, before)
         if step == NAN_GRAD_STEP:  # the NaN did reach the CMS state (until level 1 fires)
             poisoned = ours.state[next(model_o.parameters())].levels[1].accumulated_grad
             assert not torch.isfinite(poisoned).all()
@@ -385,15 +289,15 @@ def test_meta_proxy_loss_in_cms_mode(preprocessing, model):
     10). Meta-updates every 10 steps over 140: last_meta_loss and the controller (which the
     meta-update trains) against the reference's. With 24 tensors the proxy samples the first 5
     with a gradient of each group, at most 10."""
-    (model_r, ref), (model_o, ours) = _pair("cpu", _deep_mlp() if model == "deep" else None,
+    (model_r, ref), (model_o, ours) = cms_pair("cpu", _deep_mlp() if model == "deep" else None,
                                             use_preprocessing=preprocessing,
                                             meta_update_freq=10, weight_decay=0.01)
     compared = 0
     for step, batch in enumerate(synthetic_batches("mlp", 140, seed=12), start=1):
         if preprocessing:
             sync_cms_from_reference(ref, ours, model_r, model_o)
-        _one_step(model_r, ref, batch, step, inject=False)
-        _one_step(model_o, ours, batch, step, inject=False)
+        cms_step(model_r, ref, batch, step, inject=False)
+        cms_step(model_o, ours, batch, step, inject=False)
         if step % 10 == 0:
             torch.testing.assert_close(ours.last_meta_loss, ref.last_meta_loss, rtol=1e-4,
                                        atol=1e-7, msg=lambda m: f"step {step}: {m}")
@@ -427,9 +331,9 @@ def test_resume_mid_period_is_bitwise(preprocessing):
     part.controller.load_state_dict(full.controller.state_dict())
     part.momentum_mlp.load_state_dict(full.momentum_mlp.state_dict())
     for step, batch in enumerate(batches, start=1):
-        _one_step(model_a, full, batch, step, inject=False)
+        cms_step(model_a, full, batch, step, inject=False)
         if step <= 55:
-            _one_step(model_b, part, batch, step, inject=False)
+            cms_step(model_b, part, batch, step, inject=False)
     saved = _roundtrip(part.state_dict())
     model_c = copy.deepcopy(model_b)
     resumed = titanmac_c.DeepNestedOptimizer(model_c, **kw)
@@ -437,7 +341,7 @@ def test_resume_mid_period_is_bitwise(preprocessing):
     resumed.meta_trainer = copy.deepcopy(part.meta_trainer)
     resumed._mlp_output_history = copy.deepcopy(part._mlp_output_history)
     for step, batch in enumerate(batches[55:], start=56):
-        _one_step(model_c, resumed, batch, step, inject=False)
+        cms_step(model_c, resumed, batch, step, inject=False)
     for pa, pc in zip(model_a.parameters(), model_c.parameters()):
         assert torch.equal(pa, pc)
     for pa, pc in zip(model_a.parameters(), model_c.parameters()):
@@ -458,11 +362,11 @@ def test_a_state_dict_loaded_in_memory_is_copied():
     loaded = titanmac_c.DeepNestedOptimizer(model_b, **kw)
     batches = synthetic_batches("mlp", 16, seed=2)
     for step, batch in enumerate(batches[:6], start=1):
-        _one_step(model_a, source, batch, step, inject=False)
+        cms_step(model_a, source, batch, step, inject=False)
     loaded.load_state_dict(source.state_dict())
     as_loaded = _roundtrip(loaded.state_dict())
     for step, batch in enumerate(batches[6:], start=7):  # Phase 1 and meta-updates at 10, 15
-        _one_step(model_a, source, batch, step, inject=False)
+        cms_step(model_a, source, batch, step, inject=False)
     now = loaded.state_dict()
     for part in ("mlp_optimizer", "meta_optimizer"):
         assert as_loaded[part]["state"], part  # the check sees tensors
@@ -470,10 +374,10 @@ def test_a_state_dict_loaded_in_memory_is_copied():
 
 
 def test_checkpoints_load_both_ways_with_the_reference():
-    (model_r, ref), (model_o, ours) = _pair("cpu", weight_decay=0.01)
+    (model_r, ref), (model_o, ours) = cms_pair("cpu", weight_decay=0.01)
     batches = synthetic_batches("mlp", 30, seed=10)
     for step, batch in enumerate(batches[:15], start=1):
-        _one_step(model_r, ref, batch, step, inject=False)
+        cms_step(model_r, ref, batch, step, inject=False)
     saved = ref.state_dict()
     model_o.load_state_dict(model_r.state_dict())
     ours.load_state_dict(_roundtrip(saved))
@@ -482,9 +386,9 @@ def test_checkpoints_load_both_ways_with_the_reference():
                                 for pr, po in zip(model_r.parameters(), model_o.parameters())
                                 if id(pr) in ref._mlp_output_history}
     for step, batch in enumerate(batches[15:], start=16):
-        _one_step(model_r, ref, batch, step, inject=False)
-        _one_step(model_o, ours, batch, step, inject=False)
-        _compare(ref, ours, model_r, model_o, step)
+        cms_step(model_r, ref, batch, step, inject=False)
+        cms_step(model_o, ours, batch, step, inject=False)
+        compare_cms(ref, ours, model_r, model_o, step)
     back = ReferenceDeepNestedOptimizer(copy.deepcopy(model_o), use_cms_updates=True)
     back.load_state_dict(_roundtrip(ours.state_dict()))
     assert back.global_step == 30
@@ -496,18 +400,18 @@ def test_checkpoints_load_both_ways_with_the_reference():
 def test_an_older_checkpoint_without_ema_grad_and_v_sq_loads_them_as_zeros():
     """Checkpoints written before the reference kept ema_grad and v_sq lack them: they load as
     zeros, as in the reference, not as the values the buffers held before the load."""
-    (model_r, ref), (model_o, ours) = _pair("cpu", weight_decay=0.01)
+    (model_r, ref), (model_o, ours) = cms_pair("cpu", weight_decay=0.01)
     batches = synthetic_batches("mlp", 8, seed=10)
     for step, batch in enumerate(batches[:3], start=1):
-        _one_step(model_r, ref, batch, step, inject=False)
-        _one_step(model_o, ours, batch, step, inject=False)
+        cms_step(model_r, ref, batch, step, inject=False)
+        cms_step(model_o, ours, batch, step, inject=False)
     old = _roundtrip(ours.state_dict())
     for levels in old["cms_state"].values():
         for saved in levels.values():
             del saved["ema_grad"], saved["v_sq"]
     for step, batch in enumerate(batches[3:], start=4):
-        _one_step(model_r, ref, batch, step, inject=False)
-        _one_step(model_o, ours, batch, step, inject=False)
+        cms_step(model_r, ref, batch, step, inject=False)
+        cms_step(model_o, ours, batch, step, inject=False)
     assert any(bool(ours.state[p].levels[0].ema_grad.any()) for p in model_o.parameters())
     ref.load_state_dict(copy.deepcopy(old))
     ours.load_state_dict(copy.deepcopy(old))
@@ -524,7 +428,7 @@ def test_state_keeps_2k_plus_1_buffers_and_checkpoints_keep_the_reference_layout
     state_dict() still has every key (the others as zeros), and the reference, loading it,
     continues exactly as ours does (legacy network: the two run in lockstep)."""
     kw = dict(use_preprocessing=False, weight_decay=0.01)
-    (model_r, ref), (model_o, ours) = _pair("cpu", **kw)
+    (model_r, ref), (model_o, ours) = cms_pair("cpu", **kw)
     k = len(ours.cms_frequencies)
     numel = sum(p.numel() for p in model_o.parameters())
     kept = [t for name in ("momentum", "accumulated_grad", "ema_grad", "v_sq")
@@ -538,7 +442,7 @@ def test_state_keeps_2k_plus_1_buffers_and_checkpoints_keep_the_reference_layout
         lvl.v_sq.add_(1.0)
     batches = synthetic_batches("mlp", 25, seed=11)
     for step, batch in enumerate(batches[:15], start=1):
-        _one_step(model_o, ours, batch, step, inject=False)
+        cms_step(model_o, ours, batch, step, inject=False)
     saved = _roundtrip(ours.state_dict())
     grouped = [p for g in ours.base_optimizer.param_groups for p in g["params"]]
     for i, p in enumerate(grouped):  # cms_state is indexed in group order
@@ -552,9 +456,9 @@ def test_state_keeps_2k_plus_1_buffers_and_checkpoints_keep_the_reference_layout
     back = ReferenceDeepNestedOptimizer(model_r, use_cms_updates=True, **kw)
     back.load_state_dict(saved)
     for step, batch in enumerate(batches[15:], start=16):
-        _one_step(model_r, back, batch, step, inject=False)
-        _one_step(model_o, ours, batch, step, inject=False)
-        _compare(back, ours, model_r, model_o, step)
+        cms_step(model_r, back, batch, step, inject=False)
+        cms_step(model_o, ours, batch, step, inject=False)
+        compare_cms(back, ours, model_r, model_o, step)
 
 
 @pytest.mark.parametrize("fixes", [False, True])

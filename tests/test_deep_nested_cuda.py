@@ -155,12 +155,15 @@ def test_graph_mode_with_the_legacy_network_steps_eagerly():
     _assert_momenta_close(model_g, graph, model_e, eager)
 
 
+@pytest.mark.parametrize("relayout", [False, True], ids=["moved", "relaid-out"])
 @pytest.mark.parametrize("mode", ["adamw", "cms"])
-def test_graph_mode_recaptures_after_weights_and_parameters_move(mode):
+def test_graph_mode_recaptures_after_weights_and_parameters_move(mode, relayout):
     """A graph reads the controller's and the momentum network's weights and the parameters at
     the addresses it was captured with. Replacing the controller's Parameters
     (load_state_dict(..., assign=True)) and moving a parameter's storage (p.data = ...) after the
-    capture: graph mode follows eager (it re-captures), and the parameter moved is updated."""
+    capture: graph mode follows eager (it re-captures), and the parameter moved is updated.
+    relayout: its new storage column-major (its state is moved into that layout before the
+    re-capture, not by a copy inside it, which every replay would repeat)."""
     model_e = _model()
     model_g = copy.deepcopy(model_e)
     kw = dict(use_cms_updates=mode == "cms", cuda_graph_warmup_steps=2)
@@ -178,7 +181,7 @@ def test_graph_mode_recaptures_after_weights_and_parameters_move(mode):
             _train(model, opt, batches[:6])
             opt.controller.load_state_dict({k: v.clone() for k, v in new.items()}, assign=True)
             first = next(model.parameters())
-            first.data = first.data.clone()
+            first.data = first.data.t().contiguous().t() if relayout else first.data.clone()
             _train(model, opt, batches[6:])
     finally:
         torch.use_deterministic_algorithms(False)

@@ -1,14 +1,16 @@
-"""DeepNestedOptimizer in AdamW mode on what titanmac_c.AdamW takes beyond contiguous float32:
-float64 models, channels_last parameters, gradients laid out otherwise than their parameter, a
-parameter made column-major after construction. The statistics read any layout and AdamW steps
-dense ones, so these train as the reference trains them (with torch ops). CMS mode keeps its
-state contiguous in float32 math: it refuses them, naming the parameter."""
+"""DeepNestedOptimizer on what goes beyond contiguous float32: float64 models (AdamW mode),
+channels_last parameters, gradients laid out otherwise than their parameter, a parameter relaid
+out after construction (both modes). The statistics read any layout and the updates take dense
+ones, a parameter's gradient and state in its layout, so these train as the reference trains them
+(with torch ops). CMS mode computes in float32: it refuses float64 models, naming the
+parameter."""
 
 import pytest
 import torch
 
 import titanmac_c
-from conftest import DEVICES, reference_and_ours
+from cms_checks import cms_pair, compare_cms
+from conftest import DEVICES, reference_and_ours, sync_cms_from_reference
 from dno_models import make_mlp_10_32_5
 
 # float32 rates (base_lr * mu rounded, README) and float32 norms: a float64 run agrees with the
@@ -42,7 +44,7 @@ def _train_both(model, steps, batch, tol, kw=None, edit=None):
             opt.zero_grad()
             loss = m(batch(step)).square().mean()
             loss.backward()
-            opt.step(float(loss))
+            opt.step(loss.item())
         for (name, pr), po in zip(model_r.named_parameters(), model_o.parameters()):
             torch.testing.assert_close(po.detach(), pr.detach(), **tol,
                                        msg=lambda m: f"step {step} {name}: {m}")
@@ -134,16 +136,111 @@ def test_a_parameter_made_column_major_after_construction_steps_as_the_reference
     assert not model_o[2].weight.is_contiguous()
 
 
-@pytest.mark.parametrize("make, match", [
-    (lambda: make_mlp_10_32_5(seed=0).double(),
-     r"parameter '0.weight': dtype torch.float64 is not supported \(float32, bfloat16, "
-     r"float16; e.g. model.float\(\)\)"),
-    (lambda: SmallConvNet().to(memory_format=torch.channels_last),
-     r"parameter 'conv1.weight': not contiguous"),
-], ids=["float64", "channels_last"])
-def test_cms_mode_refuses_them_at_construction(make, match):
-    with pytest.raises(BufferError, match=match):
-        titanmac_c.DeepNestedOptimizer(make(), use_cms_updates=True)
+def test_cms_mode_refuses_a_float64_model_at_construction():
+    with pytest.raises(BufferError, match=r"parameter '0.weight': dtype torch.float64 is not "
+                       r"supported \(float32, bfloat16, float16; e.g. model.float\(\)\)"):
+        titanmac_c.DeepNestedOptimizer(make_mlp_10_32_5(seed=0).double(), use_cms_updates=True)
+
+
+def _train_cms_both(model, steps, batch, preprocessing, cpu_path=True, edit=None,
+                    edit_grads=None):
+    """CMS mode, reference and ours from the same state over `steps` steps (levels firing every
+    1, 2, 4 steps; Phase 1 at 5 and 10; a meta-update at 6 and 12). The direct network is
+    resynced from the reference before every step and each step's update compared (its path
+    amplifies last bits: tests/cms_checks.py), the legacy one runs free; CMS buffers, fire
+    counts and multipliers compared after every step. edit(model, step) runs on both models
+    before the backward, edit_grads(model) on ours after it."""
+    device = next(model.parameters()).device
+    torch.manual_seed(0)
+    (model_r, ref), (model_o, ours) = cms_pair(
+        device, model, use_preprocessing=preprocessing, cms_frequencies=[1, 2, 4],
+        meta_update_freq=6, weight_decay=0.01)
+    ours._phase1_cpu_path = cpu_path
+    for step in range(1, steps + 1):
+        before = None
+        if preprocessing:
+            sync_cms_from_reference(ref, ours, model_r, model_o)
+            before = [p.detach().clone() for p in model_r.parameters()]
+        for m, opt in ((model_r, ref), (model_o, ours)):
+            if edit is not None:
+                edit(m, step)
+            opt.zero_grad()
+            loss = m(batch(step)).square().mean()
+            loss.backward()
+            if edit_grads is not None and opt is ours:
+                edit_grads(m)
+            opt.step(loss.item())
+        compare_cms(ref, ours, model_r, model_o, step, before)
+    return model_o, ours
+
+
+CMS_NETS = pytest.mark.parametrize("preprocessing", [True, False], ids=["direct", "legacy"])
+# Phase 1 the CPU's way (the C op) and CUDA's (torch ops), both on the CPU
+PHASE1_PATHS = pytest.mark.parametrize("cpu_path", [True, False],
+                                       ids=["cpu-phase1", "cuda-phase1"])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@CMS_NETS
+@PHASE1_PATHS
+def test_cms_mode_trains_a_channels_last_model_as_the_reference(device, preprocessing, cpu_path):
+    """The CMS buffers lie in the parameters' layout, as the reference's zeros_like makes them,
+    and the C core takes each parameter with its gradient and buffers as contiguous permuted
+    views (Phase 1 too)."""
+    model = SmallConvNet().to(device).to(memory_format=torch.channels_last)
+    # 10 steps: the last one runs Phase 1 (its output history is checked below)
+    model_o, ours = _train_cms_both(model, 10, _images(device), preprocessing,
+                                    cpu_path=cpu_path and device == "cpu")
+    weight = model_o.conv1.weight
+    assert weight.is_contiguous(memory_format=torch.channels_last)
+    for level in ours.state[weight].levels:
+        assert level.momentum.is_contiguous(memory_format=torch.channels_last)
+    if preprocessing:
+        history = ours._mlp_output_history[ours._cms.index[weight]]
+        assert history.is_contiguous(memory_format=torch.channels_last)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@CMS_NETS
+def test_cms_mode_takes_gradients_laid_out_otherwise(device, preprocessing):
+    """Gradients replaced by transposed copies or strided slices holding the same values: the
+    update reads each as a copy in its parameter's layout, and the gradient stays as given."""
+    given = []
+
+    def relayout(m):
+        given.clear()
+        for p in m.parameters():
+            if p.grad.dim() == 2:
+                p.grad = p.grad.t().contiguous().t()
+            else:
+                p.grad = torch.empty(2 * p.numel(), device=device)[::2].copy_(p.grad)
+            given.append(p.grad)
+
+    model_o, _ = _train_cms_both(make_mlp_10_32_5(seed=0).to(device), 12, _vectors(device),
+                                 preprocessing, edit_grads=relayout)
+    assert all(p.grad is g for p, g in zip(model_o.parameters(), given))
+
+
+@CMS_NETS
+@PHASE1_PATHS
+def test_cms_mode_follows_a_parameter_relaid_out_after_construction(preprocessing, cpu_path):
+    """A channels_last weight made contiguous at step 3 and a contiguous one made column-major
+    at step 7: its CMS buffers (and Phase 1 output) are moved into the new layout, values kept,
+    and training goes on as the reference's."""
+    def edit(m, step):
+        with torch.no_grad():
+            if step == 3:
+                m.conv1.weight.data = m.conv1.weight.data.contiguous()
+            if step == 7:
+                m.head.weight.data = m.head.weight.data.t().contiguous().t()
+
+    model = SmallConvNet().to(memory_format=torch.channels_last)
+    model_o, ours = _train_cms_both(model, 12, _images("cpu"), preprocessing, cpu_path,
+                                    edit=edit)
+    assert model_o.conv1.weight.is_contiguous()
+    assert ours.state[model_o.conv1.weight].levels[2].momentum.is_contiguous()
+    head = ours.state[model_o.head.weight].levels[0]
+    assert head.accumulated_grad.stride() == model_o.head.weight.stride() == (1, 2)
 
 
 def test_a_parameter_dense_in_no_order_is_refused_at_construction():
@@ -199,3 +296,63 @@ def test_a_float64_loss_beyond_float32_is_stepped_as_the_references():
         for pr, po in zip(model_r.parameters(), model_o.parameters()):
             torch.testing.assert_close(po.detach(), pr.detach(), **F64_TOL)
     assert float(ours.ema_loss[0]) == pytest.approx(3.4028234663852886e+37)
+
+
+def _state_tensors(opt):
+    """Every state tensor the update writes: AdamW's moments, or the CMS buffers."""
+    if opt._cms is not None:
+        return [b for levels in opt._cms.buffers.values() for level in levels for b in level]
+    return [v for s in opt.base_optimizer.state.values() for v in s.values()
+            if torch.is_tensor(v) and v.dim() > 0]
+
+
+# the static gradient keeps the old layout: torch's accumulation warns, as it should
+@pytest.mark.filterwarnings("ignore:grad and param do not obey the gradient layout contract")
+@pytest.mark.parametrize("cms", [False, True], ids=["adamw", "cms"])
+def test_graph_mode_moves_relaid_out_state_before_a_capture(monkeypatch, cms):
+    """CUDA-graph mode's step logic on the CPU (simulated replays, as in
+    tests/test_deep_nested_cms.py): a parameter made column-major after the first capture has
+    its state moved into its layout before the re-capture, not inside it (a copy captured would
+    be replayed every step, from the old buffer); the run follows eager's."""
+    from titanmac_c._dno_graph import GraphState
+
+    replaced_in_capture = []
+
+    def replay(self, key, calls):
+        if key not in self.graphs:  # a capture
+            before = [id(t) for t in _state_tensors(self.opt)]
+            calls()
+            if [id(t) for t in _state_tensors(self.opt)] != before:
+                replaced_in_capture.append(key)
+            self.graphs[key] = calls
+        else:
+            self.graphs[key]()
+        self.captured = True
+
+    monkeypatch.setattr(GraphState, "_replay", replay)
+
+    def edit(m, step):
+        if step == 6:  # not a Phase 1 step (which moves the state eagerly before Phase 2)
+            with torch.no_grad():
+                m[2].weight.data = m[2].weight.data.t().contiguous().t()
+
+    runs = []
+    for graph in (False, True):
+        model = make_mlp_10_32_5(seed=0)
+        torch.manual_seed(0)  # the networks' initialisation
+        opt = titanmac_c.DeepNestedOptimizer(model, use_cms_updates=cms,
+                                             cuda_graph_warmup_steps=2)
+        opt._phase1_cpu_path = False  # CUDA's Phase 1 (torch ops)
+        if graph:
+            opt._graph = GraphState(opt)
+        for step in range(1, 10):
+            edit(model, step)
+            opt.zero_grad(set_to_none=not graph)
+            loss = model(_vectors("cpu")(step)).square().mean()
+            loss.backward()
+            opt.step(loss.detach())
+        runs.append(model)
+    assert opt._graph.captured and not replaced_in_capture
+    assert not runs[1][2].weight.is_contiguous()
+    for pe, pg in zip(*(m.parameters() for m in runs)):
+        torch.testing.assert_close(pg, pe, rtol=1e-5, atol=1e-6)

@@ -10,6 +10,8 @@ import math
 import torch
 
 from . import _C
+from ._cms_state import CMS_BUFFERS
+from ._flat import in_layout_of
 from ._reference_dno import (
     DIRECT_MLP_MAX_HIDDEN,
     EMA_TARGET_MIN,
@@ -23,7 +25,7 @@ from ._reference_dno import (
     _fused_clip_grad_norm_,
     _tensor_stats,
 )
-from ._runtime import exec_kwargs, mark_written
+from ._runtime import dense_order, exec_kwargs, mark_written
 from ._surrogate import SurrogatePlan, surrogate_gradient
 
 PHASE1_PLANS_KEPT = 4  # Phase 1 layouts whose SurrogatePlan is kept (CUDA's way)
@@ -39,6 +41,20 @@ def select_phase1_tensors(param_groups):
                 if len(selected) >= SURROGATE_MAX_TENSORS:
                     return selected
     return selected
+
+
+def _order_of(p):
+    """The permutation under which p is contiguous when p lies in another dense order
+    (channels_last, transposed); None when it is contiguous or dense in no order (the C core
+    refuses that, naming it)."""
+    return None if p.is_contiguous() else dense_order(p)
+
+
+def _permuted(t, order, p):
+    """t (a tensor paired element by element with parameter p, in p's layout) under p's
+    permutation: the contiguous view the C core takes. t as it is when its shape is not p's (the
+    C core names the mismatch)."""
+    return t if order is None or t.shape != p.shape else t.permute(order)
 
 
 @torch.no_grad()
@@ -148,16 +164,26 @@ class CMSModeMixin:
         are never all stored: the reference's autograd holds [numel, H] floats per layer for
         every tensor until its backward (~1.3 GB on the 3.2M-parameter TitanMAC-like model)."""
         cms = self._cms
-        targets, scale, divisor = self._phase1_targets(selected)
         idx = [cms.index[p] for p in selected]
+        for i, p in zip(idx, selected):
+            cms.lay_out_like(i, p)  # the targets may be the accumulators
+        targets, scale, divisor = self._phase1_targets(selected)
         history = self._mlp_output_history
         has_prev = [i in history and history[i].shape == p.shape
                     for i, p in zip(idx, selected)]
         for i, p, prev in zip(idx, selected, has_prev):
-            if not prev:  # the first call on this tensor (or a history of another shape)
-                history[i] = torch.empty(p.shape, dtype=torch.float32, device=p.device)
-        momenta = [cms.buffers["momentum"][0][i] for i in idx]
-        outputs = [history[i] for i in idx]
+            # the first call on this tensor (or a history of another shape): a fresh output;
+            # else the last one, in p's layout as every tensor it pairs with
+            history[i] = (in_layout_of(history[i], p) if prev
+                          else torch.empty_like(p, dtype=torch.float32))
+        orders = [_order_of(p) for p in selected]
+
+        def views(tensors):  # in the parameters' layouts, as the C core pairs elements
+            return [_permuted(in_layout_of(t, p), o, p)
+                    for t, o, p in zip(tensors, orders, selected)]
+        targets = views(targets)
+        momenta = views([cms.buffers["momentum"][0][i] for i in idx])
+        outputs = views([history[i] for i in idx])
         grads = []
         for w in self.momentum_mlp.parameters():
             w.grad = torch.empty_like(w)
@@ -195,30 +221,67 @@ class CMSModeMixin:
         if not params:
             return
         idx = [cms.index[p] for p in params]
-        lists = {name: cms.level_lists(name, idx) for name in
-                 ("momentum", "accumulated_grad", "ema_grad", "v_sq")}
-        net = "direct" if self.use_preprocessing else "legacy"
-        hidden = (min(self.momentum_hidden_dim, DIRECT_MLP_MAX_HIDDEN) if self.use_preprocessing
-                  else self.momentum_hidden_dim)
-        kwargs = exec_kwargs(self.device)
-        scratch = None
         try:
-            if self.device.type == "cuda":
-                nbytes = _C.cms_scratch_bytes(params, levels=cms.k, net=net)
-                scratch = self._cms_scratch.get(self.device, nbytes)
-            _C.cms_step(
-                params, grads, lists["momentum"], lists["accumulated_grad"], lists["ema_grad"],
-                lists["v_sq"], [cms.step_counts[i] for i in idx], self._lr, group_of,
-                self._weights_of("momentum_mlp"),
-                fires=cms.fires(t), divisors=[float(max(f, 1)) for f in self.cms_frequencies],
-                ema_decays=cms.ema_decays, net=net, hidden=hidden,
-                layers=self.momentum_num_layers, weight_decay=self.weight_decay, t=float(t),
-                base_lr=self.base_lr, loss=self._loss, grad_scale=self._coef, skip=self.skipped,
-                scratch=scratch, check_only=check_only, **kwargs)
+            try:
+                self._cms_call(t, idx, params, grads, self._cms_lists(idx), group_of,
+                               check_only)
+            except BufferError:
+                # a parameter dense in another order (channels_last), a gradient laid out
+                # otherwise than its parameter: refused before any write, so taken again as
+                # views in which every pair of tensors lines up element by element
+                views = self._cms_dense_views(idx, params, grads)
+                if views is None:
+                    raise
+                self._cms_call(t, idx, *views, group_of, check_only)
         except (BufferError, ValueError, TypeError) as err:
             self._reraise_named(err, params, weights_of="momentum_mlp")
         if not check_only:
             mark_written(params)
+
+    def _cms_lists(self, idx):
+        """The per-level lists of every CMS buffer for the tensors at idx."""
+        return {name: self._cms.level_lists(name, idx) for name in CMS_BUFFERS}
+
+    def _cms_dense_views(self, idx, params, grads):
+        """(params, grads, lists) with every gradient and CMS buffer in its parameter's layout
+        (a gradient as a copy for this step, a buffer for good: CMSState.lay_out_like), and a
+        parameter dense in another order with every tensor it pairs with as contiguous permuted
+        views (the same memory). None when that changes nothing."""
+        changed = False
+        orders, p_views, g_views = [], [], []
+        for i, p, g in zip(idx, params, grads):
+            changed = self._cms.lay_out_like(i, p) or changed
+            laid, order = in_layout_of(g, p), _order_of(p)
+            changed = changed or laid is not g or order is not None
+            orders.append(order)
+            p_views.append(_permuted(p, order, p))
+            g_views.append(_permuted(laid, order, p))
+        if not changed:
+            return None
+        lists = {name: [[_permuted(b, o, p) for b, o, p in zip(level, orders, params)]
+                        for level in levels]
+                 for name, levels in self._cms_lists(idx).items()}
+        return p_views, g_views, lists
+
+    def _cms_call(self, t, idx, params, grads, lists, group_of, check_only):
+        """tm_cms_step (or its checks alone) on these lists of the tensors at idx."""
+        cms = self._cms
+        net = "direct" if self.use_preprocessing else "legacy"
+        hidden = (min(self.momentum_hidden_dim, DIRECT_MLP_MAX_HIDDEN) if self.use_preprocessing
+                  else self.momentum_hidden_dim)
+        scratch = None
+        if self.device.type == "cuda":
+            nbytes = _C.cms_scratch_bytes(params, levels=cms.k, net=net)
+            scratch = self._cms_scratch.get(self.device, nbytes)
+        _C.cms_step(
+            params, grads, lists["momentum"], lists["accumulated_grad"], lists["ema_grad"],
+            lists["v_sq"], [cms.step_counts[i] for i in idx], self._lr, group_of,
+            self._weights_of("momentum_mlp"),
+            fires=cms.fires(t), divisors=[float(max(f, 1)) for f in self.cms_frequencies],
+            ema_decays=cms.ema_decays, net=net, hidden=hidden,
+            layers=self.momentum_num_layers, weight_decay=self.weight_decay, t=float(t),
+            base_lr=self.base_lr, loss=self._loss, grad_scale=self._coef, skip=self.skipped,
+            scratch=scratch, check_only=check_only, **exec_kwargs(self.device))
 
     def _mlp_proxy_loss(self, loss_value, grad_scale):
         """Spec 9.3 in CMS mode (in AdamW mode every target is zero, so it is 0). No gradient

@@ -4,14 +4,17 @@ computation reads: momentum m_l, accumulated gradient A_l (float32, the paramete
 gradient EMA e_0 of level 0 (the meta proxy loss's target), and the levels' fire counts, a
 float32 device tensor [K] per tensor (incremented by the C core, so a step skipped on the device
 does not count). The reference also keeps e_l for l > 0 and v_sq_l, which nothing reads (spec
-7.1): 2K + 1 full-size buffers per tensor here instead of 4K. Checkpoints still carry every key
-of the reference's layout; the buffers not kept are saved as zeros (stride-0 tensors, one
-element of storage each), which the reference loads and, never reading them, continues as if
-they held its values.
+7.1): 2K + 1 full-size buffers per tensor here instead of 4K. The buffers lie in their
+parameter's memory layout (channels_last too, as the reference's zeros_like makes them): the C
+core pairs elements by their place in memory. Checkpoints still carry every key of the
+reference's layout; the buffers not kept are saved as zeros (stride-0 tensors, one element of
+storage each), which the reference loads and, never reading them, continues as if they held its
+values.
 """
 
 import torch
 
+from ._flat import in_layout_of
 from ._reference_dno import CMS_BETA2
 from ._runtime import is_one_number
 
@@ -46,7 +49,7 @@ class CMSState:
         self.index = {p: i for i, p in enumerate(self.params)}
         f32 = dict(dtype=torch.float32, device=device)
         # buffers[name][level]: one tensor per param, or [] for a buffer not kept
-        self.buffers = {name: [[torch.zeros(p.shape, **f32) for p in self.params]
+        self.buffers = {name: [[torch.zeros_like(p, **f32) for p in self.params]
                                if kept(name, level) else [] for level in range(self.k)]
                         for name in CMS_BUFFERS}
         self.step_counts = [torch.zeros(self.k, **f32) for _ in self.params]
@@ -63,6 +66,24 @@ class CMSState:
         """Per-level lists of buffer `name` for the tensors at `indices` ([] where not kept: the
         C core then computes that buffer's update and drops it)."""
         return [[level[i] for i in indices] if level else [] for level in self.buffers[name]]
+
+    def lay_out_like(self, i, p):
+        """Tensor i's kept buffers moved into p's memory layout (copies holding their values
+        replace them) where p lies otherwise than they do: a parameter relaid out since the
+        buffers were made (`p.data = p.data.contiguous()`). True when one was replaced."""
+        moved = False
+        for levels in self.buffers.values():
+            for level in levels:
+                if level:
+                    buf = in_layout_of(level[i], p)
+                    moved = moved or buf is not level[i]
+                    level[i] = buf
+        return moved
+
+    def lay_out_all(self):
+        """lay_out_like for every tensor."""
+        for i, p in enumerate(self.params):
+            self.lay_out_like(i, p)
 
     def fires(self, t):
         return [t % f == 0 for f in self.frequencies]

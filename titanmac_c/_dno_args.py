@@ -109,9 +109,9 @@ def _supported(cms):
 def check_grouped(groups, group_names, device, cms):
     """What the C core would refuse at the first step(), refused here with the parameter's name
     (the reference accepts these and trains them with torch ops). AdamW mode takes what
-    titanmac_c.AdamW takes besides: float64 parameters and dense layouts such as channels_last
-    (the statistics read any layout); the CMS update pairs parameters with state kept
-    contiguous, in float32 math."""
+    titanmac_c.AdamW takes besides: float64 parameters. Both modes take parameters dense in some
+    order (channels_last, transposed: the statistics read any layout, the updates pair a
+    parameter's tensors in its layout); the CMS update computes in float32 math."""
     for group, names in zip(groups, group_names):
         for p, name in zip(group["params"], names):
             if is_dtensor(p):
@@ -126,8 +126,6 @@ def check_grouped(groups, group_names, device, cms):
             if p.device != device:
                 raise ValueError(f"parameter {name!r}: on {p.device}, the first parameter on "
                                  f"{device}: the optimizer needs one device")
-            if p.layout != torch.strided or not (p.is_contiguous() or (
-                    not cms and dense_order(p) is not None)):
-                what = "not contiguous" if cms else "not dense in any order"
-                raise BufferError(f"parameter {name!r}: {what} (e.g. "
+            if p.layout != torch.strided or not (p.is_contiguous() or dense_order(p) is not None):
+                raise BufferError(f"parameter {name!r}: not dense in any order (e.g. "
                                   "model.to(memory_format=torch.contiguous_format))")

@@ -15,7 +15,9 @@ import torch
 
 from . import _C
 from . import _profiling as prof
+from ._adamw_state import STATE_KEYS
 from ._dno_args import check_float, check_rate_range
+from ._flat import in_layout_of
 from ._runtime import mark_written
 
 
@@ -90,6 +92,7 @@ class GraphState:
         if addresses != self.addresses:
             self.graphs = {}
             self.addresses = addresses
+            self._lay_out_state(params)
         if self.base_lr is None:
             self.base_lr = torch.empty(1, dtype=torch.float32, device=opt.device)
         self.base_lr.fill_(opt.base_lr)
@@ -113,6 +116,23 @@ class GraphState:
         # skip in AdamW mode)
         mark_written(params, self.static_grads if opt._cms is None else ())
         return True
+
+    def _lay_out_state(self, params):
+        """The state of a parameter relaid out since the last capture (`p.data = ...` in another
+        layout) moved into its layout now, eagerly: the update would move it itself (values
+        kept), but inside a capture that copy would be captured and every replay would repeat
+        it, from the old buffer."""
+        opt = self.opt
+        if opt._cms is not None:
+            opt._cms.lay_out_all()
+            return
+        state = opt.base_optimizer.state
+        for p in params:
+            entries = state.get(p)
+            if isinstance(entries, dict):
+                for k in STATE_KEYS:
+                    if k in entries:
+                        entries[k] = in_layout_of(entries[k], p)
 
     def _replay(self, key, calls):
         """Replay the graph of this kind of step, captured from calls() the first time."""
