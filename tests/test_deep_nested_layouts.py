@@ -10,7 +10,7 @@ import torch
 
 import titanmac_c
 from cms_checks import cms_pair, compare_cms
-from conftest import DEVICES, reference_and_ours, sync_cms_from_reference
+from conftest import DEVICES, expect_refused, reference_and_ours, sync_cms_from_reference
 from dno_models import make_mlp_10_32_5
 
 # float32 rates (base_lr * mu rounded, README) and float32 norms: a float64 run agrees with the
@@ -278,6 +278,24 @@ def test_strided_gradients_are_clipped_in_memory_for_step_hooks_as_the_reference
         for pr, po in zip(model_r.parameters(), model_o.parameters()):
             torch.testing.assert_close(po.detach(), pr.detach(), **F32_TOL)
     assert float(ours._coef) < 1.0  # the clip mattered
+
+
+def test_an_expanded_gradient_clipped_for_step_hooks_is_refused_by_name():
+    """An expanded gradient cannot be clipped in place (torch's clip refuses it too): the step
+    raises naming the parameter, before the hook runs, and nothing changes."""
+    model = make_mlp_10_32_5(seed=0)
+    opt = titanmac_c.DeepNestedOptimizer(model, max_grad_norm=0.05)
+    calls = []
+    opt.base_optimizer.register_step_pre_hook(lambda o, a, k: calls.append(1))
+    model(_vectors("cpu")(1)).square().mean().backward()
+    opt.step(0.5)
+    opt.zero_grad()
+    model(_vectors("cpu")(2)).square().mean().backward()
+    model[2].weight.grad = torch.full((), 0.5).expand(model[2].weight.shape)
+    expect_refused(opt.base_optimizer, list(model.parameters()), RuntimeError,
+                   r"^parameters\[1\]: its gradient is an expanded tensor .* "
+                   r"\(parameter '2.weight'\)$", action=lambda: opt.step(0.5))
+    assert calls == [1] and opt.global_step == 1
 
 
 def test_a_float64_loss_beyond_float32_is_stepped_as_the_references():
