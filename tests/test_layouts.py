@@ -70,6 +70,60 @@ def test_adamw_on_a_channels_last_model_matches_torch(device, dtype, amsgrad):
                                            msg=lambda m: f"step {step} {name} {key}: {m}")
 
 
+def _relayout_weight(model, memory_format):
+    """The first conv weight's storage replaced by a copy in memory_format (`p.data = ...`)."""
+    weight = model[0].weight
+    weight.data = weight.data.clone(memory_format=memory_format)
+
+
+def _edit_state(model, opt):
+    """The first conv weight's exp_avg replaced under its key by a contiguous copy."""
+    state = opt.state[model[0].weight]
+    state["exp_avg"] = state["exp_avg"].contiguous()
+
+
+def _transpose_grad(model):
+    """The last layer's gradient replaced by a column-major copy after the backward."""
+    grad = model[4].weight.grad
+    model[4].weight.grad = grad.t().contiguous().t()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("edit", [
+    lambda model, opt: _relayout_weight(model, torch.channels_last),  # new storage, same layout
+    lambda model, opt: _relayout_weight(model, torch.contiguous_format),
+    _edit_state,
+], ids=["new-storage", "made-contiguous", "state-replaced"])
+def test_planned_steps_of_a_channels_last_model_follow_edits_like_torch(device, edit):
+    """The steady state of a channels_last model runs through the cached plan, which sends the
+    permuted parameters' tensors as permuted views (_flat.Plan._permute). A parameter's storage
+    replaced or relaid out, a state tensor replaced in another layout, a gradient laid out
+    otherwise: each takes effect as in torch, the parameter updated where it now lies."""
+    ref = _conv_model(device)
+    ours = copy.deepcopy(ref)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    opt = titanmac_c.AdamW(ours.parameters(), lr=1e-2, weight_decay=0.1)
+    collected, collect = [], opt._collect
+    opt._collect = lambda: (collected.append(step), collect())[1]  # the full path's steps
+    for step in range(1, 13):
+        if step == 5:
+            edit(ref, opt_ref)
+            edit(ours, opt)
+        for model, optimizer in ((ref, opt_ref), (ours, opt)):
+            _backward(model, step)
+            if step == 8:
+                _transpose_grad(model)
+            optimizer.step()
+        for (name, pr), po in zip(ref.named_parameters(), ours.parameters()):
+            assert po.stride() == pr.stride(), name
+            torch.testing.assert_close(po, pr, **tol(torch.float32, device),
+                                       msg=lambda m: f"step {step} {name}: {m}")
+            torch.testing.assert_close(opt.state[po]["exp_avg"], opt_ref.state[pr]["exp_avg"],
+                                       **tol(torch.float32, device))
+    # the first step, the edit's, the transposed gradient's (a copy: no plan kept) and the next
+    assert collected == [1, 5, 8, 9]
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_adamw_on_a_transposed_parameter_matches_torch(device):
     """nn.Parameter(w.t()) (e.g. a tied or imported weight): autograd gives its gradient the

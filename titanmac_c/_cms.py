@@ -222,19 +222,24 @@ class CMSModeMixin:
             return
         idx = [cms.index[p] for p in params]
         try:
-            try:
-                self._cms_call(t, idx, params, grads, self._cms_lists(idx), group_of,
-                               check_only)
-            except BufferError:
-                # a parameter dense in another order (channels_last), a gradient laid out
-                # otherwise than its parameter: refused before any write, so taken again as
-                # views in which every pair of tensors lines up element by element
-                views = self._cms_dense_views(idx, params, grads)
-                if views is None:
-                    raise
+            # a parameter dense in another order (channels_last), a gradient laid out otherwise
+            # than its parameter: the C core refuses them before any write, so they go as views
+            # in which every pair of tensors lines up element by element; made at once when the
+            # last step needed them, else only after a refusal
+            views = self._cms_dense_views(idx, params, grads) if self._cms_views else None
+            if views is None:
+                try:
+                    self._cms_call(t, idx, params, grads, self._cms_lists(idx), group_of,
+                                   check_only)
+                except BufferError:
+                    views = self._cms_dense_views(idx, params, grads)
+                    if views is None:
+                        raise
+            if views is not None:
                 self._cms_call(t, idx, *views, group_of, check_only)
         except (BufferError, ValueError, TypeError) as err:
             self._reraise_named(err, params, weights_of="momentum_mlp")
+        self._cms_views = views is not None
         if not check_only:
             mark_written(params)
 
@@ -247,20 +252,23 @@ class CMSModeMixin:
         (a gradient as a copy for this step, a buffer for good: CMSState.lay_out_like), and a
         parameter dense in another order with every tensor it pairs with as contiguous permuted
         views (the same memory). None when that changes nothing."""
+        cms = self._cms
         changed = False
-        orders, p_views, g_views = [], [], []
+        p_views, g_views, state_views = [], [], []
         for i, p, g in zip(idx, params, grads):
-            changed = self._cms.lay_out_like(i, p) or changed
+            changed = cms.lay_out_like(i, p) or changed
             laid, order = in_layout_of(g, p), _order_of(p)
             changed = changed or laid is not g or order is not None
-            orders.append(order)
             p_views.append(_permuted(p, order, p))
             g_views.append(_permuted(laid, order, p))
+            # buffers of another shape (a resized parameter): as they are, for the C core to name
+            same_shape = cms.buffers["momentum"][0][i].shape == p.shape
+            state_views.append(cms.permuted(i, order if same_shape else None))
         if not changed:
             return None
-        lists = {name: [[_permuted(b, o, p) for b, o, p in zip(level, orders, params)]
-                        for level in levels]
-                 for name, levels in self._cms_lists(idx).items()}
+        lists = {name: [[views[name][level] for views in state_views] if kept else []
+                        for level, kept in enumerate(cms.buffers[name])]
+                 for name in CMS_BUFFERS}
         return p_views, g_views, lists
 
     def _cms_call(self, t, idx, params, grads, lists, group_of, check_only):

@@ -26,8 +26,8 @@ def in_layout_of(t, p):
     where torch's ops pair them by index. t is returned as it is when p has no dense layout or
     the two differ in more than layout (the C core then names the problem)."""
     if (not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.shape != p.shape
-            or t.device != p.device):
-        return t
+            or t.device != p.device or t.stride() == p.stride()):
+        return t  # the same strides: the same layout (the usual case, ~0.3 us)
     if p.is_contiguous():
         if t.is_contiguous():
             return t
@@ -124,9 +124,11 @@ class Batch:
         self.max_exp_avg_sqs, self.steps, self.group_of = [], [], []
         self.names = []  # "param_groups[g]['params'][j]" of each flat entry
         self.wrappers = []  # the DTensor parameters whose local shards are in params
-        # entries a Plan could not re-read (permuted views, gradients copied into their
-        # parameter's layout): no Plan
+        # entries a Plan could not re-read (gradients copied into their parameter's layout,
+        # DTensor shards, complex views): no Plan
         self.no_plan = False
+        # (position, permutation, parameter) of the parameters sent as permuted views
+        self.permuted = []
         # (name, gradient, its copy in grads) of gradients laid out anew for this step
         self.grad_copies = []
         # the learning rates' dtype: float64 (torch's Python float) when a parameter is float64
@@ -187,14 +189,14 @@ class Batch:
         """A parameter that is dense in another order (channels_last, transposed) goes to the C
         core as its contiguous permuted view, and so do its gradient and state under the same
         permutation: element i of each is then the same element (in_layout_of gave them the
-        parameter's layout). A Plan re-reads .grad, so such a batch gets none."""
+        parameter's layout). A Plan permutes what it re-reads likewise (Plan.refresh)."""
         for i, p in enumerate(self.params):
             if p.is_contiguous():
                 continue
             order = dense_order(p)
             if order is None:
                 continue  # the C core refuses it, with its name
-            self.no_plan = True
+            self.permuted.append((i, order, p))
             self.params[i] = p.permute(order)
             lists = [self.grads, self.exp_avgs, self.exp_avg_sqs]
             if self.amsgrad:
@@ -301,6 +303,14 @@ class Plan:
         batch.release()
         self.batch = batch
         self.state = optimizer.state
+        # the parameters (batch.params holds the permuted views of those dense in another
+        # order), and of those the layout planned with: a view of storage a `p.data = ...` has
+        # replaced since would step the old memory, so the full path runs then
+        self.params = list(batch.params)
+        for i, _, p in batch.permuted:
+            self.params[i] = p
+        self.permuted = tuple((i, order, p, p.data_ptr(), p.stride())
+                              for i, order, p in batch.permuted)
         # The state entries are read by position in the state dict, not by key: a lookup hashes
         # the parameter through Tensor.__hash__, a Python function (~0.1 us a tensor, a fifth of
         # a planned step's host time at 1,000 tensors). Valid while the dict holds the same keys
@@ -308,7 +318,7 @@ class Plan:
         # keeps its position.
         self.keys = tuple(optimizer.state)
         position = {id(k): i for i, k in enumerate(self.keys)}
-        order = tuple(position[id(p)] for p in batch.params)
+        order = tuple(position[id(p)] for p in self.params)
         # None: the dict holds exactly the batch's parameters, in batch order (the usual case)
         self.order = None if order == tuple(range(len(self.keys))) else order
         self.groups = [(g, g["params"], list(g["params"]), bool(g["amsgrad"]))
@@ -331,11 +341,11 @@ class Plan:
     def norm_dtype(self):
         """The promoted dtype of the parameters (and so of their gradients): the dtype torch's
         clip_grad_norm_ returns the norm in."""
-        return functools.reduce(torch.promote_types, (p.dtype for p in self.batch.params))
+        return functools.reduce(torch.promote_types, (p.dtype for p in self.params))
 
     def grads(self):
         """Every parameter's current gradient, or None when one is missing."""
-        grads = [p.grad for p in self.batch.params]
+        grads = [p.grad for p in self.params]
         return None if any(map(_IS_NONE, grads)) else grads
 
     def entries(self):
@@ -354,10 +364,25 @@ class Plan:
         states = self.entries()
         if states is None:
             return None
-        batch.grads = grads
+        batch.grads = list(grads) if self.permuted else grads  # _permute replaces entries
         batch.exp_avgs = list(map(_EXP_AVG, states))
         batch.exp_avg_sqs = list(map(_EXP_AVG_SQ, states))
         batch.steps = list(map(_STEP, states))
         if batch.amsgrad:
             batch.max_exp_avg_sqs = list(map(_MAX_EXP_AVG_SQ, states))
-        return batch
+        return batch if self._permute(batch) else None
+
+    def _permute(self, batch):
+        """The permuted parameters' gradients and state as views under their permutation (a
+        tensor laid out otherwise than its parameter then fails the C core's contiguity check,
+        and the full path lays it out); False when such a parameter's storage or layout changed
+        since planning."""
+        lists = [batch.grads, batch.exp_avgs, batch.exp_avg_sqs]
+        if batch.amsgrad:
+            lists.append(batch.max_exp_avg_sqs)
+        for i, order, p, data_ptr, stride in self.permuted:
+            if p.data_ptr() != data_ptr or p.stride() != stride:
+                return False
+            for tensors in lists:
+                tensors[i] = tensors[i].permute(order)
+        return True

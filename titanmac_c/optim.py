@@ -260,7 +260,7 @@ class AdamW(Optimizer):
         (read-only lists), or None when there is no valid plan or a gradient is missing."""
         plan = self._plan
         grads = plan.grads() if plan is not None and plan.matches(self) else None
-        return None if grads is None else (grads, plan.batch.params, plan.batch.group_of)
+        return None if grads is None else (grads, plan.params, plan.batch.group_of)
 
     def _planned_step(self, lr, grad_scale, skip, zero_grads_on_skip, amp):
         """The step through the cached plan; False (nothing written) when there is none, it no
