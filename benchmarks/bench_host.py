@@ -5,7 +5,9 @@ about this cost.
 
 Times (median of many steps, microseconds): titanmac_c.AdamW.step, clip_grad_norm_ + step,
 torch.optim.AdamW(fused=True).step, and the DeepNestedOptimizer's step in AdamW mode on the
-TitanMAC-like model's 48 tensors, each shrunk to 4 elements (its grouping by name still applies).
+TitanMAC-like model's 48 tensors, each shrunk to 4 elements (its grouping by name still applies);
+and AdamW.step and the DeepNestedOptimizer's CMS-mode step on a stack of 16 tiny convolutions
+(32 tensors), contiguous and channels_last (whose weights go to the C core as permuted views).
 
 Usage: python benchmarks/bench_host.py [--device cpu|cuda] [--counts 48,1000] [--steps N]
 """
@@ -66,6 +68,26 @@ def dno_row(device, steps):
             _median_us(lambda: opt.step(loss), device, steps))
 
 
+def layout_rows(device, steps):
+    rows = []
+    for memory_format in (torch.contiguous_format, torch.channels_last):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(*[torch.nn.Conv2d(2, 2, 2) for _ in range(16)])
+        model = model.to(device=device, memory_format=memory_format)
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)  # in the parameter's layout, as autograd makes them
+        adamw = titanmac_c.AdamW(model.parameters(), lr=1e-3)
+        dno = titanmac_c.DeepNestedOptimizer(model, use_cms_updates=True)
+        loss = torch.tensor(1.0, device=device)
+        where = f"{sum(1 for _ in model.parameters())} conv " + (
+            "CL" if memory_format == torch.channels_last else "contig")
+        rows += [(where, "titanmac_c AdamW.step", _median_us(adamw.step, device, steps)),
+                 (where, "titanmac_c DeepNestedOptimizer.step (CMS mode)",
+                  _median_us(lambda: dno.step(loss), device, steps))]
+    return rows
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu")
@@ -78,9 +100,10 @@ def main(argv=None):
     for count in (int(c) for c in args.counts.split(",")):
         rows += adamw_rows(count, device, args.steps if count <= 100 else args.steps // 10)
     rows.append(dno_row(device, args.steps))
-    print(f"{'set':>13}  {'step':<50} {'host us':>8}")
+    rows += layout_rows(device, args.steps)
+    print(f"{'set':>15}  {'step':<50} {'host us':>8}")
     for where, what, us in rows:
-        print(f"{where:>13}  {what:<50} {us:>8.1f}")
+        print(f"{where:>15}  {what:<50} {us:>8.1f}")
     print(f"[bench_host] device {device}, torch {torch.__version__}, "
           f"{time.strftime('%Y-%m-%d')}")
 
