@@ -127,5 +127,5 @@ def check_grouped(groups, group_names, device, cms):
                 raise ValueError(f"parameter {name!r}: on {p.device}, the first parameter on "
                                  f"{device}: the optimizer needs one device")
             if p.layout != torch.strided or not (p.is_contiguous() or dense_order(p) is not None):
-                raise BufferError(f"parameter {name!r}: not dense in any order (e.g. "
-                                  "model.to(memory_format=torch.contiguous_format))")
+                raise BufferError(f"parameter {name!r}: not dense in any order (a strided "
+                                  "slice: e.g. p.data = p.data.contiguous())")

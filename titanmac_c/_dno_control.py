@@ -14,6 +14,8 @@ from ._runtime import call_dense, exec_kwargs, norms_scratch, reraise_with_names
 
 # a C-core message about the network weights' list (after TITANMAC_DEBUG's "file.c:line: ")
 _WEIGHTS_FIRST = re.compile(r"([\w.]+:\d+: )?weights\[\d+\]")
+# the functional ops' name of a tensor by its place in the list they were given
+_LIST_PREFIX = re.compile(r"(?:parameters|tensors)\[(\d+)\]")
 
 
 _MODEL_EDITS = [0]  # parameters or submodules registered on any module since the hooks went in
@@ -131,6 +133,16 @@ class ControlStepMixin:
         reraise_with_names(err, [f"parameter {self._param_names[p]!r}{note}" for p in params],
                            lists=("grads", "params", "step_counts"),
                            level_lists=("momentum", "accumulated", "ema", "v_sq"))
+
+    def _raise_by_name(self, err, params):
+        """err of a call over the gradients of params, its "parameters[i]" / "tensors[i]" (the
+        i-th of those lists, not the user's numbering) replaced by the parameter's name."""
+        message = str(err)
+        match = _LIST_PREFIX.match(message)
+        if match is None:
+            raise err
+        name = self._param_names[params[int(match.group(1))]]
+        raise type(err)(f"parameter {name!r}{message[match.end():]}") from None
 
     def _raise_if_sparse(self):
         """A sparse gradient fails the first C call with torch's DLPack message: say what it is."""

@@ -75,7 +75,7 @@ from ._dno_checkpoint import CheckpointMixin
 from ._dno_control import ControlStepMixin, watch_model_edits
 from ._dno_meta import MetaLearningMixin
 from ._step_hooks import has_step_hooks, with_step_hooks
-from ._runtime import Scratch, as_number, reraise_with_names
+from ._runtime import Scratch, as_number
 from .functional import _scale_grads
 from .optim import AdamW
 
@@ -376,13 +376,11 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin, MetaLearningMixin,
             return
         if self.max_grad_norm > 0:
             grads, params = self._gather(with_params=True)[:2]
-            # as the C core's clip where it can, strided slices by torch's mul_ (functional's);
-            # a refusal (an expanded gradient) names "parameters[i]", i in params: named here
+            # as the C core's clip where it can, strided slices by torch's mul_ (functional's)
             try:
                 _scale_grads(self.device, list(range(len(grads))), grads, self._coef)
             except (RuntimeError, BufferError, ValueError, TypeError) as err:
-                reraise_with_names(err, [f"parameter {self._param_names[p]!r}" for p in params],
-                                   lists=("parameters", "tensors"))
+                self._raise_by_name(err, params)
             self._clipped_in_place = True
         kept = [group["lr"] for group in base.param_groups]
         for group, mu in zip(base.param_groups, self._lr_multipliers.tolist()):
