@@ -184,7 +184,7 @@ PHASE1_PATHS = pytest.mark.parametrize("cpu_path", [True, False],
 @CMS_NETS
 @PHASE1_PATHS
 def test_cms_mode_trains_a_channels_last_model_as_the_reference(device, preprocessing, cpu_path):
-    """The CMS buffers lie in the parameters' layout, as the reference's zeros_like makes them,
+    """The CMS buffers lie in the parameters' layout (the reference's are contiguous),
     and the C core takes each parameter with its gradient and buffers as contiguous permuted
     views (Phase 1 too)."""
     model = SmallConvNet().to(device).to(memory_format=torch.channels_last)

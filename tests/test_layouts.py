@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import titanmac_c
-from conftest import DEVICES, tol
+from conftest import DEVICES, expect_refused, tol
 
 
 def _conv_model(device, dtype=torch.float32):
@@ -122,6 +122,21 @@ def test_planned_steps_of_a_channels_last_model_follow_edits_like_torch(device, 
                                        **tol(torch.float32, device))
     # the first step, the edit's, the transposed gradient's (a copy: no plan kept) and the next
     assert collected == [1, 5, 8, 9]
+
+
+@pytest.mark.parametrize("planned", [True, False], ids=["planned", "full-path"])
+def test_a_state_entry_that_is_no_tensor_is_named_for_a_channels_last_parameter(planned):
+    model = _conv_model("cpu")
+    opt = titanmac_c.AdamW(model.parameters(), lr=1e-2)
+    for step in range(1, 4):
+        _backward(model, step)
+        opt.step()
+    if not planned:
+        opt._plan = None
+    opt.state[model[0].weight]["exp_avg"] = 0.5
+    expect_refused(opt, list(model.parameters()), TypeError,
+                   r"^exp_avg\[0\]: expected a tensor .* got float "
+                   r"\(param_groups\[0\]\['params'\]\[0\]\)$")
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -5,11 +5,11 @@ gradient EMA e_0 of level 0 (the meta proxy loss's target), and the levels' fire
 float32 device tensor [K] per tensor (incremented by the C core, so a step skipped on the device
 does not count). The reference also keeps e_l for l > 0 and v_sq_l, which nothing reads (spec
 7.1): 2K + 1 full-size buffers per tensor here instead of 4K. The buffers lie in their
-parameter's memory layout (channels_last too, as the reference's zeros_like makes them): the C
-core pairs elements by their place in memory. Checkpoints still carry every key of the
-reference's layout; the buffers not kept are saved as zeros (stride-0 tensors, one element of
-storage each), which the reference loads and, never reading them, continues as if they held its
-values.
+parameter's memory layout (channels_last too; the reference's are contiguous, the same values):
+the C core pairs elements by their place in memory, so no step copies them. Checkpoints still
+carry every key of the reference's layout; the buffers not kept are saved as zeros (stride-0
+tensors, one element of storage each), which the reference loads and, never reading them,
+continues as if they held its values.
 """
 
 import torch

@@ -203,7 +203,8 @@ class Batch:
                 lists.append(self.max_exp_avg_sqs)
             for tensors in lists:
                 t = tensors[i]
-                if t.shape == p.shape:  # else precheck / the C core name the mismatch
+                # else (another shape, not a tensor) precheck / the C core name the problem
+                if isinstance(t, torch.Tensor) and t.shape == p.shape:
                     tensors[i] = t.permute(order)
 
     def laid_out_grad(self, name, grad, p):
@@ -384,5 +385,7 @@ class Plan:
             if p.data_ptr() != data_ptr or p.stride() != stride:
                 return False
             for tensors in lists:
-                tensors[i] = tensors[i].permute(order)
+                t = tensors[i]
+                if isinstance(t, torch.Tensor):  # else the C core names it (no plan then)
+                    tensors[i] = t.permute(order)
         return True
