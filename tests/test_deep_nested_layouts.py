@@ -31,6 +31,20 @@ class SmallConvNet(torch.nn.Module):
         return self.head(x.mean(dim=(2, 3)))
 
 
+def _step_each(pairs, step, batch, edit=None, edit_ours=None):
+    """One step of each (model, optimizer) on batch(step), the loss given as a float:
+    edit(model, step) before the backward, edit_ours(model) after it on the last pair (ours)."""
+    for k, (m, opt) in enumerate(pairs):
+        if edit is not None:
+            edit(m, step)
+        opt.zero_grad()
+        loss = m(batch(step)).square().mean()
+        loss.backward()
+        if edit_ours is not None and k == len(pairs) - 1:
+            edit_ours(m)
+        opt.step(loss.item())
+
+
 def _train_both(model, steps, batch, tol, kw=None, edit=None):
     """Reference and ours from the same state over `steps` steps of real backward passes (the
     loss given as a float); edit(model, step) runs on both models before each backward.
@@ -38,13 +52,7 @@ def _train_both(model, steps, batch, tol, kw=None, edit=None):
     torch.manual_seed(0)
     (model_r, ref), (model_o, ours) = reference_and_ours(model, **(kw or {}))
     for step in range(1, steps + 1):
-        for m, opt in ((model_r, ref), (model_o, ours)):
-            if edit is not None:
-                edit(m, step)
-            opt.zero_grad()
-            loss = m(batch(step)).square().mean()
-            loss.backward()
-            opt.step(loss.item())
+        _step_each(((model_r, ref), (model_o, ours)), step, batch, edit)
         for (name, pr), po in zip(model_r.named_parameters(), model_o.parameters()):
             torch.testing.assert_close(po.detach(), pr.detach(), **tol,
                                        msg=lambda m: f"step {step} {name}: {m}")
@@ -161,15 +169,7 @@ def _train_cms_both(model, steps, batch, preprocessing, cpu_path=True, edit=None
         if preprocessing:
             sync_cms_from_reference(ref, ours, model_r, model_o)
             before = [p.detach().clone() for p in model_r.parameters()]
-        for m, opt in ((model_r, ref), (model_o, ours)):
-            if edit is not None:
-                edit(m, step)
-            opt.zero_grad()
-            loss = m(batch(step)).square().mean()
-            loss.backward()
-            if edit_grads is not None and opt is ours:
-                edit_grads(m)
-            opt.step(loss.item())
+        _step_each(((model_r, ref), (model_o, ours)), step, batch, edit, edit_grads)
         compare_cms(ref, ours, model_r, model_o, step, before)
     return model_o, ours
 
