@@ -120,6 +120,6 @@ def test_deep_nested_optimizer_refuses_float64_in_cms_mode():
     state in float32."""
     model = torch.nn.Linear(4, 3).double()
     with pytest.raises(BufferError, match=r"parameter 'weight': dtype torch.float64 is not "
-                                          r"supported .*titanmac_c.AdamW also steps float64"):
+                                          r"supported .*AdamW mode also trains float64"):
         titanmac_c.DeepNestedOptimizer(model, use_cms_updates=True)
 

@@ -10,11 +10,13 @@ import torch
 from . import _C
 from ._cms_state import level_frequencies
 from ._distributed import is_dtensor
-from ._runtime import dense_order
+from ._runtime import COMPLEX_DTYPES, SUPPORTED_DTYPES, dense_order
 from ._reference_dno import MAX_LR_MULT
 
-# the CMS update's parameter dtypes (it computes in float32); AdamW mode also takes float64
+# the CMS update's parameter dtypes (it computes in float32); AdamW mode takes what
+# titanmac_c.AdamW takes: float64 and complex too
 DNO_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+ADAMW_MODE_DTYPES = SUPPORTED_DTYPES + COMPLEX_DTYPES
 
 
 def as_int(value):
@@ -103,15 +105,15 @@ def model_device(model):
 
 
 def _supported(cms):
-    return "float32, bfloat16, float16" + ("" if cms else ", float64")
+    return "float32, bfloat16, float16" + ("" if cms else ", float64, complex64, complex128")
 
 
 def check_grouped(groups, group_names, device, cms):
     """What the C core would refuse at the first step(), refused here with the parameter's name
     (the reference accepts these and trains them with torch ops). AdamW mode takes what
-    titanmac_c.AdamW takes besides: float64 parameters. Both modes take parameters dense in some
-    order (channels_last, transposed: the statistics read any layout, the updates pair a
-    parameter's tensors in its layout); the CMS update computes in float32 math."""
+    titanmac_c.AdamW takes besides: float64 and complex parameters. Both modes take parameters
+    dense in some order (channels_last, transposed: the statistics read any layout, the updates
+    pair a parameter's tensors in its layout); the CMS update computes in float32 math."""
     for group, names in zip(groups, group_names):
         for p, name in zip(group["params"], names):
             if is_dtensor(p):
@@ -119,10 +121,11 @@ def check_grouped(groups, group_names, device, cms):
                                 "DeepNestedOptimizer's statistics, controller and CMS state are "
                                 "per model, so it takes plain parameters (DDP works); "
                                 "titanmac_c.AdamW steps sharded models")
-            if p.dtype not in DNO_DTYPES and not (p.dtype == torch.float64 and not cms):
+            if p.dtype not in (DNO_DTYPES if cms else ADAMW_MODE_DTYPES):
                 raise BufferError(f"parameter {name!r}: dtype {p.dtype} is not supported "
-                                  f"({_supported(cms)}; e.g. model.float()); titanmac_c.AdamW "
-                                  f"also steps {'float64 and ' if cms else ''}complex models")
+                                  f"({_supported(cms)}; e.g. model.float())"
+                                  + ("; AdamW mode also trains float64 and complex models"
+                                     if cms else ""))
             if p.device != device:
                 raise ValueError(f"parameter {name!r}: on {p.device}, the first parameter on "
                                  f"{device}: the optimizer needs one device")

@@ -10,7 +10,8 @@ import torch
 
 from . import _C
 from ._reference_dno import EMA_LOSS_BETA, MAX_LR_MULT, MIN_LR_MULT, N_GROUPS
-from ._runtime import call_dense, exec_kwargs, norms_scratch, reraise_with_names
+from ._runtime import (call_dense, exec_kwargs, memory_real_view, norms_scratch,
+                       reraise_with_names)
 
 # a C-core message about the network weights' list (after TITANMAC_DEBUG's "file.c:line: ")
 _WEIGHTS_FIRST = re.compile(r"([\w.]+:\d+: )?weights\[\d+\]")
@@ -19,6 +20,21 @@ _LIST_PREFIX = re.compile(r"(?:parameters|tensors)\[(\d+)\]")
 
 
 _MODEL_EDITS = [0]  # parameters or submodules registered on any module since the hooks went in
+
+
+def call_norms(run, *lists):
+    """run(*lists), a call of the C core's norms, through call_dense (any layout), and again
+    with complex tensors as their real views when the C core refused one (AdamW mode trains
+    complex models: the 2-norm of a complex tensor is its real view's, as torch's norm)."""
+    try:
+        return call_dense(run, *lists, read_only=True)
+    except BufferError:
+        real = [None if ts is None or not any(t.is_complex() for t in ts)
+                else [memory_real_view(t) for t in ts] for ts in lists]
+        if all(r is None for r in real):
+            raise
+        return call_dense(run, *(ts if r is None else r for ts, r in zip(lists, real)),
+                          read_only=True)
 
 
 def _count_model_edit(module, name, value):
@@ -79,7 +95,7 @@ class ControlStepMixin:
                          scratch=norms_scratch(self.device, gs, ps), **kw)
 
             try:
-                call_dense(run, grads, params, read_only=True)
+                call_norms(run, grads, params)
             except (BufferError, ValueError, TypeError) as err:
                 self._reraise_named(err, self._gather(True)[1])
         extra = self._ungrouped_grads()
@@ -114,7 +130,7 @@ class ControlStepMixin:
                      scratch=norms_scratch(self.device, gs), **exec_kwargs(self.device))
 
         try:
-            call_dense(run, grads, read_only=True)
+            call_norms(run, grads)
         except (BufferError, ValueError, TypeError) as err:
             reraise_with_names(err, [f"parameter {name!r} (outside the optimizer's groups, its "
                                      "gradient counts in the clip norm)" for name, _ in extra],
@@ -164,7 +180,7 @@ class ControlStepMixin:
                          **exec_kwargs(self.device))
 
             try:
-                call_dense(run, tensors, read_only=True)
+                call_norms(run, tensors)
             except (BufferError, ValueError, TypeError) as err:
                 # "grads[i]" here counts the parameters without a gradient
                 self._reraise_named(err, [p for _, p in missing], ", which has no gradient")

@@ -75,7 +75,7 @@ from ._dno_checkpoint import CheckpointMixin
 from ._dno_control import ControlStepMixin, watch_model_edits
 from ._dno_meta import MetaLearningMixin
 from ._step_hooks import has_step_hooks, with_step_hooks
-from ._runtime import Scratch, as_number
+from ._runtime import Scratch, as_number, memory_real_view
 from .functional import _scale_grads
 from .optim import AdamW
 
@@ -376,7 +376,9 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin, MetaLearningMixin,
             return
         if self.max_grad_norm > 0:
             grads, params = self._gather(with_params=True)[:2]
-            # as the C core's clip where it can, strided slices by torch's mul_ (functional's)
+            # as the C core's clip where it can, strided slices by torch's mul_ (functional's),
+            # complex gradients as their real views (a real factor scales both parts)
+            grads = [memory_real_view(g) if g.is_complex() else g for g in grads]
             try:
                 _scale_grads(self.device, list(range(len(grads))), grads, self._coef)
             except (RuntimeError, BufferError, ValueError, TypeError) as err:
