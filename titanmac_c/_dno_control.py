@@ -17,6 +17,8 @@ from ._runtime import (call_dense, exec_kwargs, memory_real_view, norms_scratch,
 _WEIGHTS_FIRST = re.compile(r"([\w.]+:\d+: )?weights\[\d+\]")
 # the functional ops' name of a tensor by its place in the list they were given
 _LIST_PREFIX = re.compile(r"(?:parameters|tensors)\[(\d+)\]")
+# AdamW's name of a parameter by its place in the groups
+_GROUP_POSITION = re.compile(r"param_groups\[(\d+)\]\['params'\]\[(\d+)\]")
 
 
 _MODEL_EDITS = [0]  # parameters or submodules registered on any module since the hooks went in
@@ -159,6 +161,21 @@ class ControlStepMixin:
             raise err
         name = self._param_names[params[int(match.group(1))]]
         raise type(err)(f"parameter {name!r}{message[match.end():]}") from None
+
+    def _name_group_positions(self, err):
+        """err's message (AdamW's: "param_groups[g]['params'][j]") with each parameter named
+        as the model names it, in place (the exception itself is re-raised)."""
+        if not err.args or not isinstance(err.args[0], str):
+            return
+        groups = self.base_optimizer.param_groups
+
+        def name(match):
+            g, j = int(match.group(1)), int(match.group(2))
+            params = groups[g]["params"] if g < len(groups) else ()
+            p = params[j] if j < len(params) else None
+            label = self._param_names.get(p) if p is not None else None
+            return match.group(0) if label is None else f"parameter {label!r}"
+        err.args = (_GROUP_POSITION.sub(name, err.args[0]),) + err.args[1:]
 
     def _raise_if_sparse(self):
         """A sparse gradient fails the first C call with torch's DLPack message: say what it is."""

@@ -356,9 +356,10 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin, MetaLearningMixin,
                         self.base_optimizer._fused_step(lr=self._lr, grad_scale=self._coef,
                                                         skip=self.skipped,
                                                         zero_grads_on_skip=True)
-        except Exception:  # a refusal, or a malformed state entry (KeyError) found before a write
+        except Exception as err:  # a refusal, or a malformed state entry found before a write
             if not self._updated:
                 self._undo_control()
+            self._name_group_positions(err)
             raise
         self._updated = True
 
