@@ -17,6 +17,7 @@ from ._reference_dno import MAX_LR_MULT
 # titanmac_c.AdamW takes: float64 and complex too
 DNO_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 ADAMW_MODE_DTYPES = SUPPORTED_DTYPES + COMPLEX_DTYPES
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
 def as_int(value):
@@ -90,9 +91,20 @@ def check_rate_range(base_lr):
     """The rates base_lr * mu live in a float32 device tensor (the C core refuses a step whose
     rate would be inf there; the reference's Python double would step the model to inf/NaN)."""
     top = base_lr * MAX_LR_MULT
-    if top > torch.finfo(torch.float32).max:
+    if top > FLOAT32_MAX:
         raise ValueError(f"base_lr = {base_lr}: base_lr * mu_max = {top} is beyond float32's "
                          "range")
+
+
+def loss_in_float32_range(loss):
+    """A finite loss beyond float32's range (where the device keeps it) as float32's largest
+    value, not inf, which the device guard would skip as a non-finite loss: a float, or a
+    float64 tensor; NaN and inf kept."""
+    if not isinstance(loss, torch.Tensor):
+        return max(-FLOAT32_MAX, min(loss, FLOAT32_MAX))
+    if loss.dtype != torch.float64:
+        return loss
+    return torch.where(loss.isfinite(), loss.clamp(-FLOAT32_MAX, FLOAT32_MAX), loss)
 
 
 def model_device(model):

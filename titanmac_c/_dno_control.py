@@ -10,8 +10,8 @@ import torch
 
 from . import _C
 from ._reference_dno import EMA_LOSS_BETA, MAX_LR_MULT, MIN_LR_MULT, N_GROUPS
-from ._runtime import (call_dense, exec_kwargs, memory_real_view, norms_scratch,
-                       reraise_with_names)
+from ._runtime import call_dense, exec_kwargs, norms_scratch, reraise_with_names
+from .functional import _real_views
 
 # a C-core message about the network weights' list (after TITANMAC_DEBUG's "file.c:line: ")
 _WEIGHTS_FIRST = re.compile(r"([\w.]+:\d+: )?weights\[\d+\]")
@@ -31,12 +31,10 @@ def call_norms(run, *lists):
     try:
         return call_dense(run, *lists, read_only=True)
     except BufferError:
-        real = [None if ts is None or not any(t.is_complex() for t in ts)
-                else [memory_real_view(t) for t in ts] for ts in lists]
-        if all(r is None for r in real):
+        real = [ts if ts is None else _real_views("tensors", ts, 2.0) for ts in lists]
+        if all(r is ts for r, ts in zip(real, lists)):
             raise
-        return call_dense(run, *(ts if r is None else r for ts, r in zip(lists, real)),
-                          read_only=True)
+        return call_dense(run, *real, read_only=True)
 
 
 def _count_model_edit(module, name, value):

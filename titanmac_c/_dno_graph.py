@@ -15,9 +15,8 @@ import torch
 
 from . import _C
 from . import _profiling as prof
-from ._adamw_state import STATE_KEYS
 from ._dno_args import check_float, check_rate_range
-from ._flat import in_layout_of
+from ._flat import lay_out_state
 from ._runtime import mark_written
 
 
@@ -130,9 +129,7 @@ class GraphState:
         for p in params:
             entries = state.get(p)
             if isinstance(entries, dict):
-                for k in STATE_KEYS:
-                    if k in entries:
-                        entries[k] = in_layout_of(entries[k], p)
+                lay_out_state(entries, p)
 
     def _replay(self, key, calls):
         """Replay the graph of this kind of step, captured from calls() the first time."""

@@ -40,6 +40,13 @@ def in_layout_of(t, p):
     return out
 
 
+def lay_out_state(state, p):
+    """p's AdamW state entries in p's memory layout, for good (in_layout_of: the same values)."""
+    for k in STATE_KEYS:
+        if k in state:
+            state[k] = in_layout_of(state[k], p)
+
+
 class GradientMark:
     """Whether the gradients are still the ones of a given moment: every grouped gradient with
     a version counter, held by weak reference (a held gradient would stay alive through
@@ -150,9 +157,7 @@ class Batch:
                 refuse_plain_with_dtensor(name, p, grad, state, STATE_KEYS)
             # gradient and state in the parameter's layout: the state for good (the same
             # values), the gradient as a copy for this step (the Plan re-reads .grad)
-            for k in STATE_KEYS:
-                if k in state:
-                    state[k] = in_layout_of(state[k], p)
+            lay_out_state(state, p)
             grad, tensors = self.laid_out_grad(name, grad, p), state
         if dtype in COMPLEX_DTYPES:
             # as torch's AdamW: the real views of parameter, gradient and state (kept
@@ -198,14 +203,18 @@ class Batch:
                 continue  # the C core refuses it, with its name
             self.permuted.append((i, order, p))
             self.params[i] = p.permute(order)
-            lists = [self.grads, self.exp_avgs, self.exp_avg_sqs]
-            if self.amsgrad:
-                lists.append(self.max_exp_avg_sqs)
-            for tensors in lists:
+            for tensors in self.paired_lists():
                 t = tensors[i]
                 # else (another shape, not a tensor) precheck / the C core name the problem
                 if isinstance(t, torch.Tensor) and t.shape == p.shape:
                     tensors[i] = t.permute(order)
+
+    def paired_lists(self):
+        """The lists whose entry i pairs element by element with params[i]."""
+        lists = [self.grads, self.exp_avgs, self.exp_avg_sqs]
+        if self.amsgrad:
+            lists.append(self.max_exp_avg_sqs)
+        return lists
 
     def laid_out_grad(self, name, grad, p):
         """grad in p's layout (in_layout_of); a copy made for that is recorded, so that a step
@@ -378,9 +387,9 @@ class Plan:
         tensor laid out otherwise than its parameter then fails the C core's contiguity check,
         and the full path lays it out); False when such a parameter's storage or layout changed
         since planning."""
-        lists = [batch.grads, batch.exp_avgs, batch.exp_avg_sqs]
-        if batch.amsgrad:
-            lists.append(batch.max_exp_avg_sqs)
+        if not self.permuted:
+            return True  # the usual case: nothing to do on this hot path
+        lists = batch.paired_lists()
         for i, order, p, data_ptr, stride in self.permuted:
             if p.data_ptr() != data_ptr or p.stride() != stride:
                 return False

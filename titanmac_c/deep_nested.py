@@ -69,26 +69,17 @@ from ._dno_args import (
     check_grouped,
     check_int,
     check_rate_range,
+    loss_in_float32_range,
     model_device,
 )
 from ._dno_checkpoint import CheckpointMixin
 from ._dno_control import ControlStepMixin, watch_model_edits
 from ._dno_meta import MetaLearningMixin
 from ._step_hooks import has_step_hooks, with_step_hooks
-from ._runtime import Scratch, as_number, memory_real_view
-from .functional import _scale_grads
+from ._runtime import Scratch, as_number
+from .functional import _real_views, _scale_grads
 from .optim import AdamW
 
-
-_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
-
-
-def _in_float32_range(loss):
-    """A float64 loss tensor that is finite beyond float32's range as its largest value (as a
-    float loss is taken), not inf, which the device guard would skip; NaN and inf kept."""
-    if loss.dtype != torch.float64:
-        return loss
-    return torch.where(loss.isfinite(), loss.clamp(-_FLOAT32_MAX, _FLOAT32_MAX), loss)
 
 class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin, MetaLearningMixin,
                           CheckpointMixin):
@@ -280,9 +271,9 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin, MetaLearningMixin,
                     "skipped": True, "reason": "nan_loss"}
         with torch.no_grad():
             if isinstance(loss, torch.Tensor):  # one that cannot be read raises: no step yet
-                self._loss.copy_(_in_float32_range(loss.detach().reshape(1)))
+                self._loss.copy_(loss_in_float32_range(loss.detach().reshape(1)))
             else:  # a finite float beyond float32's range: its largest value, as a step goes on
-                self._loss.fill_(max(-_FLOAT32_MAX, min(loss, _FLOAT32_MAX)))
+                self._loss.fill_(loss_in_float32_range(loss))
             self.global_step = t
             update = t % self.controller_update_freq == 0 or t == 1
             self._clipped_in_place = False
@@ -379,7 +370,7 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin, MetaLearningMixin,
             grads, params = self._gather(with_params=True)[:2]
             # as the C core's clip where it can, strided slices by torch's mul_ (functional's),
             # complex gradients as their real views (a real factor scales both parts)
-            grads = [memory_real_view(g) if g.is_complex() else g for g in grads]
+            grads = _real_views("parameters", grads, 2.0)
             try:
                 _scale_grads(self.device, list(range(len(grads))), grads, self._coef)
             except (RuntimeError, BufferError, ValueError, TypeError) as err:
