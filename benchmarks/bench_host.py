@@ -7,7 +7,7 @@ Times (median of many steps, microseconds): titanmac_c.AdamW.step, clip_grad_nor
 torch.optim.AdamW(fused=True).step, and the DeepNestedOptimizer's step in AdamW mode on the
 TitanMAC-like model's 48 tensors, each shrunk to 4 elements (its grouping by name still applies);
 and AdamW.step and the DeepNestedOptimizer's CMS-mode step on a stack of 16 tiny convolutions
-(32 tensors), contiguous and channels_last (whose weights go to the C core as permuted views).
+(32 tensors), contiguous and channels_last (whose weights the C core takes where they lie).
 
 Usage: python benchmarks/bench_host.py [--device cpu|cuda] [--counts 48,1000] [--steps N]
 """

@@ -429,7 +429,8 @@ def test_a_refused_step_leaves_the_last_steps_control_outputs(kw):
 
 _SPOILS = {
     "strided-parameter": (_spoil_parameter, BufferError,
-                          r"params\[1\]: not contiguous .* \(parameter '2.weight'\)$"),
+                          r"params\[1\]: not contiguous, nor dense in another order .* "
+                          r"\(parameter '2.weight'\)$"),
     "sparse-gradient": (_spoil_gradient, RuntimeError,
                         r"parameter '2.weight': torch.sparse_coo gradients are not"),
     "resized-parameter": (_resize_a_parameter, ValueError, _RESIZED),

@@ -1,6 +1,6 @@
 """Tensors that are dense but not contiguous (channels_last conv weights, transposed matrices):
-AdamW, clip_grad_norm_ and get_total_norm take them through their contiguous permuted views
-(_runtime.dense_views), element by element against torch over several steps. A gradient or state
+AdamW, clip_grad_norm_ and get_total_norm take them where they lie (the C core reads them in
+memory order), element by element against torch over several steps. A gradient or state
 in another layout than its parameter's (any strides) is taken in the parameter's layout
 (_flat.in_layout_of): gradients as a copy, state for good. Parameters that are not dense
 (strided slices) are refused with BufferError naming the tensor, and nothing changes; the norm
@@ -89,16 +89,20 @@ def _transpose_grad(model):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("edit", [
-    lambda model, opt: _relayout_weight(model, torch.channels_last),  # new storage, same layout
-    lambda model, opt: _relayout_weight(model, torch.contiguous_format),
-    _edit_state,
+@pytest.mark.parametrize("edit, full_path_steps", [
+    # new storage in the same layout: the plan reads the parameter anew, no full path
+    (lambda model, opt: _relayout_weight(model, torch.channels_last), [1, 8, 9]),
+    # another layout than the state's: the C core refuses the planned call (memory orders
+    # differ), the full path lays the state out
+    (lambda model, opt: _relayout_weight(model, torch.contiguous_format), [1, 5, 8, 9]),
+    (_edit_state, [1, 5, 8, 9]),
 ], ids=["new-storage", "made-contiguous", "state-replaced"])
-def test_planned_steps_of_a_channels_last_model_follow_edits_like_torch(device, edit):
-    """The steady state of a channels_last model runs through the cached plan, which sends the
-    permuted parameters' tensors as permuted views (_flat.Plan._permute). A parameter's storage
-    replaced or relaid out, a state tensor replaced in another layout, a gradient laid out
-    otherwise: each takes effect as in torch, the parameter updated where it now lies."""
+def test_planned_steps_of_a_channels_last_model_follow_edits_like_torch(device, edit,
+                                                                        full_path_steps):
+    """The steady state of a channels_last model runs through the cached plan, which hands the
+    C core the parameters, gradients and state as they lie. A parameter's storage replaced or
+    relaid out, a state tensor replaced in another layout, a gradient laid out otherwise: each
+    takes effect as in torch, the parameter updated where it now lies."""
     ref = _conv_model(device)
     ours = copy.deepcopy(ref)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
@@ -120,8 +124,9 @@ def test_planned_steps_of_a_channels_last_model_follow_edits_like_torch(device, 
                                        msg=lambda m: f"step {step} {name}: {m}")
             torch.testing.assert_close(opt.state[po]["exp_avg"], opt_ref.state[pr]["exp_avg"],
                                        **tol(torch.float32, device))
-    # the first step, the edit's, the transposed gradient's (a copy: no plan kept) and the next
-    assert collected == [1, 5, 8, 9]
+    # the first step, the edit's (but new storage), the transposed gradient's (a copy: no plan
+    # kept) and the next
+    assert collected == full_path_steps
 
 
 @pytest.mark.parametrize("planned", [True, False], ids=["planned", "full-path"])

@@ -46,13 +46,14 @@ def select_phase1_tensors(param_groups):
 def _order_of(p):
     """The permutation under which p is contiguous when p lies in another dense order
     (channels_last, transposed); None when it is contiguous or dense in no order (the C core
-    refuses that, naming it)."""
+    refuses that, naming it). Phase 1 reads its tensors as flat memory (CUDA's torch ops view
+    them as 1-d), so it takes them under this permutation."""
     return None if p.is_contiguous() else dense_order(p)
 
 
 def _permuted(t, order, p):
     """t (a tensor paired element by element with parameter p, in p's layout) under p's
-    permutation: the contiguous view the C core takes. t as it is when its shape is not p's (the
+    permutation: a contiguous view of its memory. t as it is when its shape is not p's (the
     C core names the mismatch)."""
     return t if order is None or t.shape != p.shape else t.permute(order)
 
@@ -222,58 +223,42 @@ class CMSModeMixin:
             return
         idx = [cms.index[p] for p in params]
         try:
-            # a parameter dense in another order (channels_last), a gradient laid out otherwise
-            # than its parameter: the C core refuses them before any write, so they go as views
-            # in which every pair of tensors lines up element by element; made at once when the
-            # last step needed them, else only after a refusal
-            views = self._cms_dense_views(idx, params, grads) if self._cms_views else None
-            if views is None:
+            # a gradient laid out otherwise than its parameter, buffers of a parameter relaid
+            # out since: the C core refuses them (it pairs elements by their place in memory)
+            # before any write, so they are laid out like the parameter; at once when the last
+            # step needed it (a gradient that comes so every step), else after a refusal
+            laid = self._cms_laid_out_grads(idx, params, grads) if self._cms_relaid else None
+            if laid is None:
                 try:
-                    self._cms_call(t, idx, params, grads, self._cms_lists(idx), group_of,
-                                   check_only)
+                    self._cms_call(t, idx, params, grads, group_of, check_only)
                 except BufferError:
-                    views = self._cms_dense_views(idx, params, grads)
-                    if views is None:
+                    laid = self._cms_laid_out_grads(idx, params, grads)
+                    if laid is None:
                         raise
-            if views is not None:
-                self._cms_call(t, idx, *views, group_of, check_only)
+            if laid is not None:
+                self._cms_call(t, idx, params, laid, group_of, check_only)
         except (BufferError, ValueError, TypeError) as err:
             self._reraise_named(err, params, weights_of="momentum_mlp")
-        self._cms_views = views is not None
+        self._cms_relaid = laid is not None
         if not check_only:
             mark_written(params)
 
-    def _cms_lists(self, idx):
-        """The per-level lists of every CMS buffer for the tensors at idx."""
-        return {name: self._cms.level_lists(name, idx) for name in CMS_BUFFERS}
-
-    def _cms_dense_views(self, idx, params, grads):
-        """(params, grads, lists) with every gradient and CMS buffer in its parameter's layout
-        (a gradient as a copy for this step, a buffer for good: CMSState.lay_out_like), and a
-        parameter dense in another order with every tensor it pairs with as contiguous permuted
-        views (the same memory). None when that changes nothing."""
-        cms = self._cms
+    def _cms_laid_out_grads(self, idx, params, grads):
+        """The gradients in their parameters' layouts (copies for this step, in_layout_of),
+        every CMS buffer moved into its parameter's layout for good (CMSState.lay_out_like);
+        None when that changes nothing."""
         changed = False
-        p_views, g_views, state_views = [], [], []
+        laid = []
         for i, p, g in zip(idx, params, grads):
-            changed = cms.lay_out_like(i, p) or changed
-            laid, order = in_layout_of(g, p), _order_of(p)
-            changed = changed or laid is not g or order is not None
-            p_views.append(_permuted(p, order, p))
-            g_views.append(_permuted(laid, order, p))
-            # buffers of another shape (a resized parameter): as they are, for the C core to name
-            same_shape = cms.buffers["momentum"][0][i].shape == p.shape
-            state_views.append(cms.permuted(i, order if same_shape else None))
-        if not changed:
-            return None
-        lists = {name: [[views[name][level] for views in state_views] if kept else []
-                        for level, kept in enumerate(cms.buffers[name])]
-                 for name in CMS_BUFFERS}
-        return p_views, g_views, lists
+            changed = self._cms.lay_out_like(i, p) or changed
+            laid.append(in_layout_of(g, p))
+            changed = changed or laid[-1] is not g
+        return laid if changed else None
 
-    def _cms_call(self, t, idx, params, grads, lists, group_of, check_only):
-        """tm_cms_step (or its checks alone) on these lists of the tensors at idx."""
+    def _cms_call(self, t, idx, params, grads, group_of, check_only):
+        """tm_cms_step (or its checks alone) on the tensors at idx."""
         cms = self._cms
+        lists = {name: cms.level_lists(name, idx) for name in CMS_BUFFERS}
         net = "direct" if self.use_preprocessing else "legacy"
         hidden = (min(self.momentum_hidden_dim, DIRECT_MLP_MAX_HIDDEN) if self.use_preprocessing
                   else self.momentum_hidden_dim)

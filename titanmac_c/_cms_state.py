@@ -53,7 +53,6 @@ class CMSState:
                                if kept(name, level) else [] for level in range(self.k)]
                         for name in CMS_BUFFERS}
         self.step_counts = [torch.zeros(self.k, **f32) for _ in self.params]
-        self._views = {}  # tensor index -> (order, its buffers permuted): see permuted()
 
     def public_view(self):
         """optimizer.state in CMS mode: per parameter a ParamCMSView, read like the reference's
@@ -82,23 +81,7 @@ class CMSState:
                     buf = in_layout_of(level[i], p)
                     moved = moved or buf is not level[i]
                     level[i] = buf
-        if moved:
-            self._views.pop(i, None)
         return moved
-
-    def permuted(self, i, order):
-        """Tensor i's buffers {name: [per level: the buffer under `order`, or None where not
-        kept]}, `order` being the permutation that makes its parameter contiguous (None: the
-        buffers themselves). Kept until the buffers are moved: a permuted view costs ~1.5 us,
-        and a step of a channels_last model needs one of each buffer."""
-        cached = self._views.get(i)
-        if cached is not None and cached[0] == order:
-            return cached[1]
-        views = {name: [(level[i] if order is None else level[i].permute(order)) if level
-                        else None for level in levels]
-                 for name, levels in self.buffers.items()}
-        self._views[i] = (order, views)
-        return views
 
     def lay_out_all(self):
         """lay_out_like for every tensor."""

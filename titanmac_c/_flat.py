@@ -9,7 +9,8 @@ import torch
 
 from ._adamw_state import STATE_KEYS, malformed_state, step_count
 from ._distributed import localize, refuse_plain_with_dtensor
-from ._runtime import COMPLEX_DTYPES, dense_order, is_expanded, real_view
+from ._runtime import (COMPLEX_DTYPES, dense_order, is_expanded, is_strided_only,
+                       real_view)
 
 _IS_NONE = functools.partial(operator.is_, None)
 _GRAD = operator.attrgetter("grad")
@@ -134,8 +135,6 @@ class Batch:
         # entries a Plan could not re-read (gradients copied into their parameter's layout,
         # DTensor shards, complex views): no Plan
         self.no_plan = False
-        # (position, permutation, parameter) of the parameters sent as permuted views
-        self.permuted = []
         # (name, gradient, its copy in grads) of gradients laid out anew for this step
         self.grad_copies = []
         # the learning rates' dtype: float64 (torch's Python float) when a parameter is float64
@@ -189,32 +188,6 @@ class Batch:
         through zero_grad() and the next backward (torch's optimizers keep none), and old state
         tensors alive after the state is replaced. refresh() reads them again."""
         self.grads = self.exp_avgs = self.exp_avg_sqs = self.max_exp_avg_sqs = self.steps = None
-
-    def permute_dense(self):
-        """A parameter that is dense in another order (channels_last, transposed) goes to the C
-        core as its contiguous permuted view, and so do its gradient and state under the same
-        permutation: element i of each is then the same element (in_layout_of gave them the
-        parameter's layout). A Plan permutes what it re-reads likewise (Plan.refresh)."""
-        for i, p in enumerate(self.params):
-            if p.is_contiguous():
-                continue
-            order = dense_order(p)
-            if order is None:
-                continue  # the C core refuses it, with its name
-            self.permuted.append((i, order, p))
-            self.params[i] = p.permute(order)
-            for tensors in self.paired_lists():
-                t = tensors[i]
-                # else (another shape, not a tensor) precheck / the C core name the problem
-                if isinstance(t, torch.Tensor) and t.shape == p.shape:
-                    tensors[i] = t.permute(order)
-
-    def paired_lists(self):
-        """The lists whose entry i pairs element by element with params[i]."""
-        lists = [self.grads, self.exp_avgs, self.exp_avg_sqs]
-        if self.amsgrad:
-            lists.append(self.max_exp_avg_sqs)
-        return lists
 
     def laid_out_grad(self, name, grad, p):
         """grad in p's layout (in_layout_of); a copy made for that is recorded, so that a step
@@ -280,8 +253,9 @@ class Batch:
     def _precheck_entries(self):
         for i, p in enumerate(self.params):
             name = self.names[i]
-            if not p.is_contiguous():
-                raise BufferError(f"params[{i}]: not contiguous ({name})")
+            if is_strided_only(p):
+                raise BufferError(f"params[{i}]: not contiguous, nor dense in another order "
+                                  f"({name})")
             tensors = [self.grads[i], self.exp_avgs[i], self.exp_avg_sqs[i]]
             if self.amsgrad:
                 tensors.append(self.max_exp_avg_sqs[i])
@@ -292,9 +266,12 @@ class Batch:
                 if t.shape != p.shape or t.dtype != p.dtype or t.device != p.device:
                     raise ValueError(f"{name}: state or gradient does not match the parameter "
                                      f"(shape {tuple(t.shape)}, dtype {t.dtype}, {t.device})")
-                if t.layout != torch.strided or not t.is_contiguous():
-                    raise BufferError(f"{name}: state or gradient not contiguous "
-                                      f"(strides {t.stride()})")
+                # the C core pairs elements by their place in memory (a parameter dense in
+                # another order: its strides)
+                if t.layout != torch.strided or not (t.stride() == p.stride()
+                                                     or t.is_contiguous() and p.is_contiguous()):
+                    raise BufferError(f"{name}: state or gradient laid out otherwise than the "
+                                      f"parameter (strides {t.stride()}, {p.stride()})")
             step = self.steps[i]
             if (not isinstance(step, torch.Tensor) or step.dtype != torch.float32
                     or step.numel() != 1 or step.device != p.device):
@@ -313,14 +290,7 @@ class Plan:
         batch.release()
         self.batch = batch
         self.state = optimizer.state
-        # the parameters (batch.params holds the permuted views of those dense in another
-        # order), and of those the layout planned with: a view of storage a `p.data = ...` has
-        # replaced since would step the old memory, so the full path runs then
-        self.params = list(batch.params)
-        for i, _, p in batch.permuted:
-            self.params[i] = p
-        self.permuted = tuple((i, order, p, p.data_ptr(), p.stride())
-                              for i, order, p in batch.permuted)
+        self.params = batch.params
         # The state entries are read by position in the state dict, not by key: a lookup hashes
         # the parameter through Tensor.__hash__, a Python function (~0.1 us a tensor, a fifth of
         # a planned step's host time at 1,000 tensors). Valid while the dict holds the same keys
@@ -374,27 +344,10 @@ class Plan:
         states = self.entries()
         if states is None:
             return None
-        batch.grads = list(grads) if self.permuted else grads  # _permute replaces entries
+        batch.grads = grads
         batch.exp_avgs = list(map(_EXP_AVG, states))
         batch.exp_avg_sqs = list(map(_EXP_AVG_SQ, states))
         batch.steps = list(map(_STEP, states))
         if batch.amsgrad:
             batch.max_exp_avg_sqs = list(map(_MAX_EXP_AVG_SQ, states))
-        return batch if self._permute(batch) else None
-
-    def _permute(self, batch):
-        """The permuted parameters' gradients and state as views under their permutation (a
-        tensor laid out otherwise than its parameter then fails the C core's contiguity check,
-        and the full path lays it out); False when such a parameter's storage or layout changed
-        since planning."""
-        if not self.permuted:
-            return True  # the usual case: nothing to do on this hot path
-        lists = batch.paired_lists()
-        for i, order, p, data_ptr, stride in self.permuted:
-            if p.data_ptr() != data_ptr or p.stride() != stride:
-                return False
-            for tensors in lists:
-                t = tensors[i]
-                if isinstance(t, torch.Tensor):  # else the C core names it (no plan then)
-                    tensors[i] = t.permute(order)
-        return True
+        return batch

@@ -45,11 +45,10 @@ _DENSE_ORDERS_KEPT = 4096
 
 def dense_order(t):
     """The permutation of t's dimensions under which t is contiguous, when t is dense and
-    non-overlapping in another order (transposed, channels_last), else None. The C core reads a
-    tensor as numel elements from its data pointer, so an element-wise op or a norm may take
-    such a tensor through the permuted view, as long as every tensor it pairs element by element
-    with it has the same strides. Remembered per layout (a step asks it for every such tensor:
-    the sort and the trial view cost ~7 us, the lookup ~0.3 us)."""
+    non-overlapping in another order (transposed, channels_last), else None. The C core takes
+    such a tensor as it lies (numel elements in memory order), pairing it element by element only
+    with tensors in the same order. Remembered per layout (the sort and the trial view cost ~7
+    us, the lookup ~0.3 us)."""
     key = (t.shape, t.stride())
     if key in _DENSE_ORDERS:
         return _DENSE_ORDERS[key]
@@ -74,37 +73,30 @@ def is_strided_only(t):
     return not t.is_contiguous() and dense_order(t) is None
 
 
-def dense_views(tensors, copy_strided=False):
-    """tensors, the non-contiguous dense ones replaced by their contiguous permuted views (same
-    memory); with copy_strided, those no permutation makes dense by contiguous copies (for a
-    call that only reads them). None when there is none to replace."""
-    views = list(tensors)
+def strided_copies(tensors):
+    """tensors, those no permutation makes dense (strided slices, expanded tensors) replaced by
+    contiguous copies (for a call that only reads them); None when there is none."""
+    copies = list(tensors)
     changed = False
-    for i, t in enumerate(views):
-        if t.layout == torch.strided and not t.is_contiguous():  # sparse: left for the C core
-            order = dense_order(t)
-            if order is not None:
-                views[i] = t.permute(order)
-                changed = True
-            elif copy_strided:
-                views[i] = t.contiguous()
-                changed = True
-    return views if changed else None
+    for i, t in enumerate(copies):
+        if t.layout == torch.strided and is_strided_only(t):  # sparse: left for the C core
+            copies[i] = t.contiguous()
+            changed = True
+    return copies if changed else None
 
 
 def call_dense(fn, *lists, read_only=False):
     """fn(*lists) (a list may be None); if the C core refuses a tensor (BufferError: it
-    validates before writing), again with each list's dense_views when that changes anything
-    (read_only: fn only reads the tensors, so strided ones go as contiguous copies, as torch's
-    norms take any tensor). Each list is viewed on its own, so fn must pair no elements across
-    lists (norms, scaling). Contiguous input costs nothing extra."""
+    validates before writing) and fn only reads them (read_only), again with the tensors it
+    cannot take in place (dense in no order) as contiguous copies, as torch's norms take any
+    tensor. Dense tensors in any order cost nothing extra."""
     try:
         return fn(*lists)
     except BufferError:
-        views = [None if ts is None else dense_views(ts, read_only) for ts in lists]
-        if all(v is None for v in views):
+        copies = [None if ts is None or not read_only else strided_copies(ts) for ts in lists]
+        if all(c is None for c in copies):
             raise
-        return fn(*(ts if v is None else v for ts, v in zip(lists, views)))
+        return fn(*(ts if c is None else c for ts, c in zip(lists, copies)))
 
 
 def norms_scratch(device: torch.device, grads, params=None):

@@ -189,7 +189,7 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin, MetaLearningMixin,
         self._phase1_plans = {}
         self._last_surrogate_loss = None
         self._cms_scratch = Scratch()
-        self._cms_views = False  # the last Phase 2 took permuted views (_cms._cms_phase2)
+        self._cms_relaid = False  # the last Phase 2 laid gradients out (_cms._cms_phase2)
         self._weight_views = {}  # module name -> (module, edit count, parameters, views)
         return group_names
 

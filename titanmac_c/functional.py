@@ -11,8 +11,8 @@ Differences from torch (also listed in the README):
   double, when a gradient is float64: torch's arithmetic for those).
 - get_total_norm and clip_grad_norm_ never wait on the GPU unless error_if_nonfinite=True.
 - non-contiguous tensors are taken in place when dense in another order (transposed,
-  channels_last: _runtime.dense_views); others (strided slices, expanded tensors) are read
-  through a contiguous copy, and gradients of that kind are scaled by torch's mul_.
+  channels_last); others (strided slices, expanded tensors) are read through a contiguous copy
+  (_runtime.call_dense), and gradients of that kind are scaled by torch's mul_.
 - DTensors (FSDP2, tensor parallel): the local shards' norms are reduced over the device mesh
   (_distributed.ShardedNorms); the norm is returned as a replicated DTensor, as torch's.
 """
@@ -356,7 +356,7 @@ def group_norms(grads, params=None, group_of=None, num_groups=1, norm_type=2.0):
         _C.norms(gs, ps, out[0:g], out[2 * g : 2 * g + 1], scratch=norms_scratch(device, gs, ps),
                  **kwargs, **exec_kwargs(device))
 
-    # each tensor's norm is its own: views need no pairing
+    # strided tensors as contiguous copies (each tensor's norm is its own: nothing pairs)
     call_dense(run, grads, params, read_only=True)
     has_params = params is not None
     return GroupNorms(

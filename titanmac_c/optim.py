@@ -319,8 +319,6 @@ class AdamW(Optimizer):
                 if batch is None:
                     batch = batches[key] = Batch(*key)
                 batch.add(gi, name, p, grad, state, dtensor)
-        for batch in batches.values():
-            batch.permute_dense()
         return list(batches.values()), new_state, groups, lrs
 
     def _run(self, batch, groups, lr, grad_scale, skip, zero_grads_on_skip, loss_scale):

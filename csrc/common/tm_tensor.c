@@ -63,6 +63,61 @@ tm_label(const char *name, int32_t index, char *buf)
     return buf;
 }
 
+void
+tm_dims_text(char *buf, size_t cap, const int64_t *v, int32_t n)
+{
+    size_t len = (size_t)snprintf(buf, cap, "[");
+    for (int32_t d = 0; d < n && len < cap; d++) {
+        if (d == 8) {
+            len += (size_t)snprintf(buf + len, cap - len, ", ...");
+            break;
+        }
+        len += (size_t)snprintf(buf + len, cap - len, d ? ", %lld" : "%lld", (long long)v[d]);
+    }
+    if (len < cap) {
+        snprintf(buf + len, cap - len, "]");
+    }
+}
+
+const char *
+tm_layout_text(const tm_tensor *t, char *buf)
+{
+    if (t->shape == NULL) {
+        snprintf(buf, TM_LAYOUT_TEXT, "contiguous");
+        return buf;
+    }
+    char shape[TM_LAYOUT_TEXT / 2 - 16], strides[TM_LAYOUT_TEXT / 2 - 16];
+    tm_dims_text(shape, sizeof shape, t->shape, t->ndim);
+    tm_dims_text(strides, sizeof strides, t->strides, t->ndim);
+    snprintf(buf, TM_LAYOUT_TEXT, "shape %s, strides %s", shape, strides);
+    return buf;
+}
+
+/* The next dimension at or after *d longer than 1 (its index, or ndim when none is left). */
+static int32_t
+next_long_dim(const tm_tensor *t, int32_t d)
+{
+    while (d < t->ndim && t->shape[d] == 1) {
+        d++;
+    }
+    return d;
+}
+
+int
+tm_same_order(const tm_tensor *a, const tm_tensor *b)
+{
+    if (a->shape == NULL || b->shape == NULL) {
+        return a->shape == b->shape;
+    }
+    int32_t i = next_long_dim(a, 0), j = next_long_dim(b, 0);
+    for (; i < a->ndim && j < b->ndim; i = next_long_dim(a, i + 1), j = next_long_dim(b, j + 1)) {
+        if (a->shape[i] != b->shape[j] || a->strides[i] != b->strides[j]) {
+            return 0;
+        }
+    }
+    return i == a->ndim && j == b->ndim;
+}
+
 int
 tm_same_device(const tm_tensor *a, const tm_tensor *b)
 {

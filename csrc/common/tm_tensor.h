@@ -37,6 +37,21 @@ const char *tm_device_text(const tm_tensor *t, char *buf);
 /* "name[index]", or "name" for TM_NO_INDEX, into buf[TM_LABEL_TEXT]. Returns buf. */
 const char *tm_label(const char *name, int32_t index, char *buf);
 
+/* "[4, 3, 2]" (the first 8 values, then ", ...") into buf[cap]. */
+void tm_dims_text(char *buf, size_t cap, const int64_t *v, int32_t n);
+
+/* Room for a layout: two dims texts and words. */
+#define TM_LAYOUT_TEXT 200
+
+/* "contiguous", or "shape [2, 3], strides [1, 2]" of a tensor dense in another order, into
+ * buf[TM_LAYOUT_TEXT]. Returns buf. */
+const char *tm_layout_text(const tm_tensor *t, char *buf);
+
+/* a and b lay their elements out in the same order: both C-contiguous, or both dense in another
+ * order with the same sizes and strides over the dimensions longer than 1 (element k of each in
+ * memory is then the same index). */
+int tm_same_order(const tm_tensor *a, const tm_tensor *b);
+
 /* Same device type, and for CUDA the same ordinal (every CPU tensor is on the one host). */
 int tm_same_device(const tm_tensor *a, const tm_tensor *b);
 

@@ -50,6 +50,32 @@ tm_roles_structure(const tm_role *roles, int n)
     return TM_OK;
 }
 
+/* A tensor dense in another order than C's is taken only where the op reads it element-wise. */
+static tm_status
+check_order(const tm_role *r, int32_t i)
+{
+    const tm_tensor *t = &r->list.tensors[i];
+    char label[TM_LABEL_TEXT], layout[TM_LAYOUT_TEXT];
+    TM_CHECK(t->shape == NULL || (r->flags & TM_ROLE_ANY_ORDER), TM_ERR_BUFFER,
+             "%s: not contiguous (%s)", tm_label(r->list.name, index_of(r, i), label),
+             tm_layout_text(t, layout));
+    return TM_OK;
+}
+
+/* Element-wise ops pair elements by their place in memory, torch's by index: the same where the
+ * two tensors lie in one order. */
+static tm_status
+check_same_order(const tm_tensor_list *l, const tm_tensor_list *lead, int32_t i)
+{
+    const tm_tensor *a = &l->tensors[i], *b = &lead->tensors[i];
+    char la[TM_LAYOUT_TEXT], lb[TM_LAYOUT_TEXT];
+    TM_CHECK(tm_same_order(a, b), TM_ERR_BUFFER,
+             "%s[%d]: laid out as %s, %s[%d] as %s (tensors paired element by element need one "
+             "memory order)", l->name, (int)i, tm_layout_text(a, la), lead->name, (int)i,
+             tm_layout_text(b, lb));
+    return TM_OK;
+}
+
 static tm_status
 check_usable(const tm_role *roles, int n, tm_device_ref *ref)
 {
@@ -62,6 +88,7 @@ check_usable(const tm_role *roles, int n, tm_device_ref *ref)
                 continue;
             }
             TM_TRY(tm_check_usable(&r->list.tensors[i], r->list.name, index_of(r, i)));
+            TM_TRY(check_order(r, i));
             if (ref->tensor == NULL) {
                 ref->tensor = &r->list.tensors[i];
                 tm_label(r->list.name, index_of(r, i), ref->label);
@@ -100,6 +127,9 @@ check_match(const tm_role *roles, int n, int dtype)
             TM_CHECK(dtype || a->numel == b->numel, TM_ERR_VALUE,
                      "%s[%d]: numel %lld does not match %s[%d] numel %lld", l->name, (int)i,
                      (long long)a->numel, lead->name, (int)i, (long long)b->numel);
+            if (!dtype && (roles[k].flags & TM_ROLE_PAIRED)) {
+                TM_TRY(check_same_order(l, lead, i));
+            }
             TM_CHECK(!dtype || a->dtype == b->dtype, TM_ERR_VALUE,
                      "%s[%d]: dtype %s does not match %s[%d] dtype %s", l->name, (int)i,
                      tm_dtype_name(a->dtype), lead->name, (int)i, tm_dtype_name(b->dtype));
@@ -124,7 +154,7 @@ check_writable(const tm_role *roles, int n)
 
 /* ---------------------------------------------------------------- disjoint memory ---- */
 
-/* A tensor's bytes [lo, hi) (imported tensors are compact), whose role and index name it. */
+/* A tensor's bytes [lo, hi) (imported tensors are dense), whose role and index name it. */
 typedef struct {
     uintptr_t lo, hi;
     int32_t role, index;
@@ -224,7 +254,7 @@ sweep_spans(const tm_role *roles, const tm_span *s, int64_t n)
     return TM_OK;
 }
 
-/* Tensor i of r as its bytes [*lo, *hi) (imported tensors are compact); 0 when it has none
+/* Tensor i of r as its bytes [*lo, *hi) (imported tensors are dense); 0 when it has none
  * (a lone tensor not given, or no elements). */
 static int
 tensor_bytes(const tm_role *r, int32_t i, uintptr_t *lo, uintptr_t *hi)

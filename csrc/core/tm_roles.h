@@ -15,8 +15,12 @@ enum {
     TM_ROLE_WRITTEN = 2u, /* must be writable and share memory with no other tensor of the call */
     TM_ROLE_MATCH = 4u,   /* numel and dtype equal to the lead list's at the same index */
     TM_ROLE_MATCH_NUMEL = 8u, /* numel only (float32 state of params of any dtype) */
-    TM_ROLE_STORED = 16u /* written by this call (no other tensor may share its memory), its
-                            writability checked by the op with its own message */
+    TM_ROLE_STORED = 16u, /* written by this call (no other tensor may share its memory), its
+                             writability checked by the op with its own message */
+    TM_ROLE_ANY_ORDER = 32u, /* may be dense in another order than C's (element-wise roles); the
+                                others must be C-contiguous */
+    TM_ROLE_PAIRED = 64u /* element k pairs with element k of the lead's tensor at the same
+                            index: both must lie in one memory order (tm_same_order) */
 };
 
 typedef struct {
@@ -33,8 +37,9 @@ tm_role tm_lone_role(const tm_tensor *t, const char *name, unsigned flags);
 /* TM_ERR_INTERNAL for a list with a negative count or no array. */
 tm_status tm_roles_structure(const tm_role *roles, int n);
 
-/* Per tensor, then across tensors: usable, one device (sets *ref), numel and dtype against the
- * lead list, writable, and no tensor the call writes sharing memory with any other tensor of the
+/* Per tensor, then across tensors: usable (C-contiguous unless TM_ROLE_ANY_ORDER), one device
+ * (sets *ref), numel (and memory order where TM_ROLE_PAIRED) and dtype against the lead list,
+ * writable, and no tensor the call writes sharing memory with any other tensor of the
  * call (other lists, other indices, lone inputs; tensors only read may share). */
 tm_status tm_roles_check(const tm_role *roles, int n, tm_device_ref *ref);
 

@@ -63,8 +63,9 @@ tm_validate_norms(const tm_tensor_list *grads, const tm_tensor_list *params,
              "tm_norms: grads, args and out must not be NULL");
     TM_CHECK(exec != NULL, TM_ERR_INTERNAL, "exec is NULL");
     tm_role roles[NORMS_ROLES] = {
-        [NORMS_GRADS] = tm_list_role(grads, "grads", 0),
-        [NORMS_PARAMS] = tm_list_role(params, "params", TM_ROLE_MATCH),
+        /* each tensor's norm is its own: any order, and params need not pair with grads */
+        [NORMS_GRADS] = tm_list_role(grads, "grads", TM_ROLE_ANY_ORDER),
+        [NORMS_PARAMS] = tm_list_role(params, "params", TM_ROLE_MATCH | TM_ROLE_ANY_ORDER),
         [NORMS_GROUP_GRAD] = tm_lone_role(&out->group_grad, "group_grad", TM_ROLE_WRITTEN),
         [NORMS_GROUP_PARAM] = tm_lone_role(&out->group_param, "group_param", TM_ROLE_WRITTEN),
         [NORMS_TOTAL_GRAD] = tm_lone_role(&out->total_grad, "total_grad", TM_ROLE_WRITTEN),
@@ -121,7 +122,7 @@ tm_validate_scale(const tm_tensor_list *tensors, const tm_tensor *scale, const t
              "tm_scale: tensors and scale must not be NULL");
     TM_CHECK(exec != NULL, TM_ERR_INTERNAL, "exec is NULL");
     tm_role roles[2] = {
-        tm_list_role(tensors, "tensors", TM_ROLE_WRITTEN),
+        tm_list_role(tensors, "tensors", TM_ROLE_WRITTEN | TM_ROLE_ANY_ORDER),
         tm_lone_role(scale, "scale", 0),
     };
     TM_TRY(tm_roles_structure(roles, 2));
@@ -218,13 +219,15 @@ tm_validate_adamw(const tm_adamw_tensors *t, const tm_adamw_args *args, const tm
     TM_CHECK(t != NULL && args != NULL && in != NULL, TM_ERR_INTERNAL,
              "tm_adamw_step: tensors, args and inputs must not be NULL");
     TM_CHECK(exec != NULL, TM_ERR_INTERNAL, "exec is NULL");
-    const unsigned state = TM_ROLE_WRITTEN | TM_ROLE_MATCH;
+    /* element-wise: gradient and state in the parameter's memory order, whatever it is */
+    const unsigned paired = TM_ROLE_ANY_ORDER | TM_ROLE_PAIRED;
+    const unsigned state = TM_ROLE_WRITTEN | TM_ROLE_MATCH | paired;
     const int unscales = tm_tensor_given(&in->loss_scale);
     const int zeroes = args->zero_grads_on_skip && tm_tensor_given(&in->skip);
     tm_role roles[ADAMW_ROLES] = {
-        [ADAMW_PARAMS] = tm_list_role(&t->params, "params", TM_ROLE_WRITTEN),
-        [ADAMW_GRADS] = tm_list_role(&t->grads, "grads",
-                                     TM_ROLE_MATCH | (unscales || zeroes ? TM_ROLE_STORED : 0)),
+        [ADAMW_PARAMS] = tm_list_role(&t->params, "params", TM_ROLE_WRITTEN | TM_ROLE_ANY_ORDER),
+        [ADAMW_GRADS] = tm_list_role(&t->grads, "grads", TM_ROLE_MATCH | paired |
+                                     (unscales || zeroes ? TM_ROLE_STORED : 0)),
         [ADAMW_EXP_AVG] = tm_list_role(&t->exp_avg, "exp_avg", state),
         [ADAMW_EXP_AVG_SQ] = tm_list_role(&t->exp_avg_sq, "exp_avg_sq", state),
         [ADAMW_MAX_EXP_AVG_SQ] = tm_list_role(&t->max_exp_avg_sq, "max_exp_avg_sq", state),

@@ -65,7 +65,12 @@ typedef enum { TM_DEVICE_CPU = 1, TM_DEVICE_CUDA = 2 } tm_device_type;
 
 #define TM_TENSOR_READ_ONLY 1u /* the producer forbids writes (DLPack READ_ONLY flag) */
 
-/* numel contiguous elements from data (DLPack data + byte_offset; NULL only if numel == 0). */
+/* numel elements that fill the memory from data on (DLPack data + byte_offset; NULL only if
+ * numel == 0). shape == NULL: C-contiguous. Else the tensor is dense in another order of its
+ * dimensions (channels_last, transposed; all strides of dimensions longer than 1 positive), and
+ * shape/strides (ndim of each, strides in elements) say which: element-wise ops read it as numel
+ * elements in memory order, which pairs its elements with another tensor's only when that one
+ * lies in the same order (the roles' TM_ROLE_PAIRED check). The arrays are borrowed for the call. */
 typedef struct {
     void *data;
     int64_t numel;
@@ -73,6 +78,9 @@ typedef struct {
     tm_device_type device_type;
     int32_t device_id;
     uint32_t flags; /* TM_TENSOR_* */
+    int32_t ndim;
+    const int64_t *shape;
+    const int64_t *strides;
 } tm_tensor;
 
 /* A list of tensors playing one role. name ("params", "grads", ...) is used in messages. */

@@ -4,11 +4,13 @@
  * `__c_dlpack_exchange_api__`), looked up once per type; an object's __dlpack_device__(). One
  * DLTensor (+ flags) becomes a tm_tensor after the checks every consumer makes (numpy dlpack.c,
  * nanobind, section 6 of docs/dlpack.md): device (cpu, pinned host, or cuda), dtype (float32,
- * float16, bfloat16; lanes 1), shape, C-contiguity ignoring size-1 dims (torch <= 2.9 rewrote their
- * strides to 1; NULL strides = compact), data + byte_offset, READ_ONLY. And the labelled errors
+ * float16, bfloat16; lanes 1), shape, layout (C-contiguous ignoring size-1 dims, whose strides torch
+ * <= 2.9 rewrote to 1, NULL strides = compact; or dense in another order, whose shape and strides
+ * the tm_tensor keeps), data + byte_offset, READ_ONLY. And the labelled errors
  * ("grads[3]: ...") of the importer. No ownership here: that is dlpack_import.c's.
  */
 #include "dlpack_import.h"
+#include "tm_tensor.h"
 
 #include <stdarg.h>
 #include <stdio.h>
@@ -181,22 +183,6 @@ dtype_name(DLDataType t, char *buf, size_t cap)
     return buf;
 }
 
-static void
-format_dims(char *buf, size_t cap, const int64_t *v, int32_t n)
-{
-    size_t len = (size_t)snprintf(buf, cap, "[");
-    for (int32_t d = 0; d < n && len < cap; d++) {
-        if (d == 8) {
-            len += (size_t)snprintf(buf + len, cap - len, ", ...");
-            break;
-        }
-        len += (size_t)snprintf(buf + len, cap - len, d ? ", %lld" : "%lld", (long long)v[d]);
-    }
-    if (len < cap) {
-        snprintf(buf + len, cap - len, "]");
-    }
-}
-
 /* (2,32) float32, (2,16) float16, (4,16) bfloat16, (2,64) float64 -> 1; anything else -> 0 (out:
  * float32, for scratch, where only the bytes matter). */
 static int
@@ -235,6 +221,31 @@ is_contiguous(const DLTensor *dl)
     return 1;
 }
 
+/* Dense in some order of its dimensions (channels_last, transposed): the strides of the
+ * dimensions longer than 1, taken from the smallest, are 1, n, n * m, ... with n, m the sizes
+ * before: every element on its own place and no gap. A stride matches at most one dimension
+ * (the expected stride grows past each one used), so two dimensions on one stride fail. */
+static int
+is_dense(const DLTensor *dl)
+{
+    int32_t dims = 0;
+    for (int32_t d = 0; d < dl->ndim; d++) {
+        dims += dl->shape[d] > 1;
+    }
+    int64_t expected = 1;
+    for (int32_t placed = 0; placed < dims; placed++) {
+        int32_t d = 0;
+        while (d < dl->ndim && !(dl->shape[d] > 1 && dl->strides[d] == expected)) {
+            d++;
+        }
+        if (d == dl->ndim) {
+            return 0;
+        }
+        expected *= dl->shape[d];
+    }
+    return 1;
+}
+
 int
 py_check_dltensor(const DLTensor *dl, uint64_t flags, py_label lbl, unsigned opts, tm_tensor *out,
                   size_t *nbytes)
@@ -264,14 +275,24 @@ py_check_dltensor(const DLTensor *dl, uint64_t flags, py_label lbl, unsigned opt
     int64_t numel = 1;
     for (int32_t d = 0; d < dl->ndim; d++) {
         if (dl->shape[d] < 0 || __builtin_mul_overflow(numel, dl->shape[d], &numel)) {
-            format_dims(a, sizeof a, dl->shape, dl->ndim);
+            tm_dims_text(a, sizeof a, dl->shape, dl->ndim);
             return py_fail(PyExc_BufferError, lbl, "invalid shape %s", a);
         }
     }
+    out->ndim = 0;
+    out->shape = out->strides = NULL; /* C-contiguous */
     if (numel > 1 && dl->strides != NULL && !is_contiguous(dl)) {
-        format_dims(a, sizeof a, dl->shape, dl->ndim);
-        format_dims(s, sizeof s, dl->strides, dl->ndim);
-        return py_fail(PyExc_BufferError, lbl, "not contiguous (shape %s, strides %s)", a, s);
+        if (!is_dense(dl)) {
+            tm_dims_text(a, sizeof a, dl->shape, dl->ndim);
+            tm_dims_text(s, sizeof s, dl->strides, dl->ndim);
+            return py_fail(PyExc_BufferError, lbl,
+                           "not contiguous, nor dense in another order (shape %s, strides %s)",
+                           a, s);
+        }
+        /* borrowed from the producer until py_batch_release, as data is */
+        out->ndim = dl->ndim;
+        out->shape = dl->shape;
+        out->strides = dl->strides;
     }
     if (numel > 0 && dl->data == NULL) {
         return py_fail(PyExc_BufferError, lbl, "data is NULL for %lld elements", (long long)numel);

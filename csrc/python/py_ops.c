@@ -349,14 +349,16 @@ py_import_info(PyObject *module, PyObject *args, PyObject *kwargs)
     tm_tensor t;
     py_path path;
     py_batch_init(&b, py_get_state(module));
-    int rc = py_import(&b, obj, name, -1, 0, &t, &path, NULL);
-    py_batch_release(&b);
-    if (rc < 0) {
-        return NULL;
+    PyObject *info = NULL;
+    if (py_import(&b, obj, name, -1, 0, &t, &path, NULL) == 0) {
+        char layout[TM_LAYOUT_TEXT]; /* before the release: the shape is borrowed */
+        info = Py_BuildValue("{s:N,s:L,s:s,s:(ii),s:O,s:s,s:s}", "data",
+                             PyLong_FromVoidPtr(t.data), "numel", (long long)t.numel, "dtype",
+                             tm_dtype_name(t.dtype), "device", (int)t.device_type,
+                             (int)t.device_id, "read_only",
+                             (t.flags & TM_TENSOR_READ_ONLY) ? Py_True : Py_False, "path",
+                             paths[path], "layout", tm_layout_text(&t, layout));
     }
-    return Py_BuildValue("{s:N,s:L,s:s,s:(ii),s:O,s:s}", "data", PyLong_FromVoidPtr(t.data),
-                         "numel", (long long)t.numel, "dtype", tm_dtype_name(t.dtype), "device",
-                         (int)t.device_type, (int)t.device_id, "read_only",
-                         (t.flags & TM_TENSOR_READ_ONLY) ? Py_True : Py_False, "path",
-                         paths[path]);
+    py_batch_release(&b);
+    return info;
 }
