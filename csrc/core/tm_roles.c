@@ -88,7 +88,9 @@ check_usable(const tm_role *roles, int n, tm_device_ref *ref)
                 continue;
             }
             TM_TRY(tm_check_usable(&r->list.tensors[i], r->list.name, index_of(r, i)));
-            TM_TRY(check_order(r, i));
+            if (r->list.tensors[i].shape != NULL) { /* C-contiguous: nothing to check */
+                TM_TRY(check_order(r, i));
+            }
             if (ref->tensor == NULL) {
                 ref->tensor = &r->list.tensors[i];
                 tm_label(r->list.name, index_of(r, i), ref->label);
@@ -127,7 +129,8 @@ check_match(const tm_role *roles, int n, int dtype)
             TM_CHECK(dtype || a->numel == b->numel, TM_ERR_VALUE,
                      "%s[%d]: numel %lld does not match %s[%d] numel %lld", l->name, (int)i,
                      (long long)a->numel, lead->name, (int)i, (long long)b->numel);
-            if (!dtype && (roles[k].flags & TM_ROLE_PAIRED)) {
+            if (!dtype && (roles[k].flags & TM_ROLE_PAIRED) &&
+                (a->shape != NULL || b->shape != NULL)) {
                 TM_TRY(check_same_order(l, lead, i));
             }
             TM_CHECK(!dtype || a->dtype == b->dtype, TM_ERR_VALUE,
