@@ -75,6 +75,10 @@ def _train_fsdp2(rank, make_opt, clip, amsgrad, device="cpu", sync_check=False):
     clip and step run under CUDA's sync debug mode "error" (a host sync raises)."""
     model = _sharded_model(0, device)
     opt = make_opt(model.parameters(), amsgrad)
+    full_path = []  # the steps of ours that collected every tensor anew (no cached plan)
+    if isinstance(opt, titanmac_c.AdamW):
+        collect = opt._collect
+        opt._collect = lambda: (full_path.append(step), collect())[1]
     norms = []
     for step in range(STEPS):
         torch.manual_seed(100 * step + rank)
@@ -94,7 +98,7 @@ def _train_fsdp2(rank, make_opt, clip, amsgrad, device="cpu", sync_check=False):
         opt.zero_grad()
     params = [_full(p) for p in model.parameters()]
     state = [{k: _full(v) for k, v in opt.state[p].items()} for p in model.parameters()]
-    return dict(norms=norms, params=params, state=state)
+    return dict(norms=norms, params=params, state=state, full_path=full_path)
 
 
 def scenario_fsdp2(rank):
@@ -598,6 +602,9 @@ def test_fsdp2_adamw_and_clip_match_torch(ranks, amsgrad):
                 torch.testing.assert_close(s[key].float(), t[key].float(), **CLOSE)
     # the ranks agree on the norm (a collective result) and on the parameters they gathered
     first, second = (_result(ranks, "scenario_fsdp2", r)[f"ours_{amsgrad}"] for r in range(2))
+    # the steady state takes the local shards through the cached plan (amsgrad on: after the
+    # folded clip, which lists the DTensor gradients itself)
+    assert first["full_path"] == second["full_path"] == [0]
     assert first["norms"] == second["norms"]
     for a, b in zip(first["params"], second["params"]):
         assert torch.equal(a, b)

@@ -8,7 +8,7 @@ import weakref
 import torch
 
 from ._adamw_state import STATE_KEYS, malformed_state, step_count
-from ._distributed import localize, refuse_plain_with_dtensor
+from ._distributed import dtensor_type, localize, refuse_plain_with_dtensor
 from ._runtime import (COMPLEX_DTYPES, dense_order, is_expanded, is_strided_only,
                        real_view)
 
@@ -122,6 +122,12 @@ def _dead_ref():
     return weakref.ref(_Gone())
 
 
+def _placed_as(t, mesh, placements):
+    """t is a DTensor on mesh with these placements (a tuple)."""
+    return (hasattr(t, "placements") and tuple(t.placements) == placements
+            and (t.device_mesh is mesh or t.device_mesh == mesh))
+
+
 class Batch:
     """The flat lists of one C call: the tensors of every group on one device with one amsgrad."""
 
@@ -131,9 +137,10 @@ class Batch:
         self.params, self.grads, self.exp_avgs, self.exp_avg_sqs = [], [], [], []
         self.max_exp_avg_sqs, self.steps, self.group_of = [], [], []
         self.names = []  # "param_groups[g]['params'][j]" of each flat entry
+        self.owners = []  # the grouped parameter of each entry (a DTensor: not its shard)
         self.wrappers = []  # the DTensor parameters whose local shards are in params
-        # entries a Plan could not re-read (gradients copied into their parameter's layout,
-        # DTensor shards, complex views): no Plan
+        # entries a Plan could not re-read (gradients copied into their parameter's layout or
+        # placed anew, complex views): no Plan
         self.no_plan = False
         # (name, gradient, its copy in grads) of gradients laid out anew for this step
         self.grad_copies = []
@@ -144,11 +151,15 @@ class Batch:
         """p's tensors (of param_groups[gi]) appended: for a DTensor its local shards, for a
         complex p the real views, gradient and state in the parameter's layout."""
         dtype = p.dtype
+        self.owners.append(p)
         if dtensor is not None and isinstance(p, dtensor):
             # FSDP2 / tensor parallel: the element-wise step of the local shards (the
             # state stays a DTensor, as torch's, for distributed checkpoints)
             self.wrappers.append(p)
-            self.no_plan = True
+            # a gradient placed otherwise is redistributed for this step: a Plan takes only
+            # shards it can read as they are (Plan._localize)
+            self.no_plan = self.no_plan or not _placed_as(grad, p.device_mesh,
+                                                          tuple(p.placements))
             p, grad, tensors = localize(name, p, grad, state, STATE_KEYS)
             grad = self.laid_out_grad(name, grad, p)
         else:
@@ -181,6 +192,13 @@ class Batch:
         except (KeyError, TypeError, ValueError, RuntimeError) as e:
             raise malformed_state(name, state, e) from None
         self.names.append(name)
+
+    def paired_lists(self):
+        """The lists whose entry i pairs element by element with params[i]."""
+        lists = [self.grads, self.exp_avgs, self.exp_avg_sqs]
+        if self.amsgrad:
+            lists.append(self.max_exp_avg_sqs)
+        return lists
 
     def release(self):
         """Drop the step's gradients and state tensors, keeping the parameters: a Plan holds
@@ -290,7 +308,15 @@ class Plan:
         batch.release()
         self.batch = batch
         self.state = optimizer.state
-        self.params = batch.params
+        self.params = batch.params  # the shards of DTensor parameters, re-read each step
+        self.owners = batch.owners  # the grouped parameters (whose .grad and state key)
+        # DTensor parameters (FSDP2, tensor parallel): (position, parameter, its mesh and
+        # placements), whose gradient and state a step takes as their local shards when they
+        # are placed as the parameter is (else the full path redistributes or refuses them)
+        dtensor = dtensor_type()
+        self.sharded = tuple((i, p, p.device_mesh, tuple(p.placements))
+                             for i, p in enumerate(batch.owners)
+                             if dtensor is not None and isinstance(p, dtensor))
         # The state entries are read by position in the state dict, not by key: a lookup hashes
         # the parameter through Tensor.__hash__, a Python function (~0.1 us a tensor, a fifth of
         # a planned step's host time at 1,000 tensors). Valid while the dict holds the same keys
@@ -298,7 +324,7 @@ class Plan:
         # keeps its position.
         self.keys = tuple(optimizer.state)
         position = {id(k): i for i, k in enumerate(self.keys)}
-        order = tuple(position[id(p)] for p in self.params)
+        order = tuple(position[id(p)] for p in self.owners)
         # None: the dict holds exactly the batch's parameters, in batch order (the usual case)
         self.order = None if order == tuple(range(len(self.keys))) else order
         self.groups = [(g, g["params"], list(g["params"]), bool(g["amsgrad"]))
@@ -324,8 +350,9 @@ class Plan:
         return functools.reduce(torch.promote_types, (p.dtype for p in self.params))
 
     def grads(self):
-        """Every parameter's current gradient, or None when one is missing."""
-        grads = [p.grad for p in self.params]
+        """Every parameter's current gradient (a DTensor's: a DTensor), or None when one is
+        missing."""
+        grads = [p.grad for p in self.owners]
         return None if any(map(_IS_NONE, grads)) else grads
 
     def entries(self):
@@ -350,4 +377,18 @@ class Plan:
         batch.steps = list(map(_STEP, states))
         if batch.amsgrad:
             batch.max_exp_avg_sqs = list(map(_MAX_EXP_AVG_SQ, states))
-        return batch
+        return batch if not self.sharded or self._localize(batch) else None
+
+    def _localize(self, batch):
+        """The DTensor parameters' entries as their local shards (as _distributed.localize
+        takes them); False when a gradient or state tensor is no longer placed as its parameter
+        (the full path then redistributes or refuses it, by name)."""
+        batch.grads = list(batch.grads)
+        lists = batch.paired_lists()
+        for i, p, mesh, placements in self.sharded:
+            if not all(_placed_as(ts[i], mesh, placements) for ts in lists):
+                return False
+            for ts in lists:
+                ts[i] = ts[i]._local_tensor
+            batch.params[i] = p._local_tensor  # `p.data = ...` may have replaced it
+        return True

@@ -257,9 +257,11 @@ class AdamW(Optimizer):
 
     def _planned_flat(self):
         """(grads, params, group_of) of every parameter in group order through the cached plan
-        (read-only lists), or None when there is no valid plan or a gradient is missing."""
+        (read-only lists), or None when there is no valid plan, a gradient is missing or the
+        parameters are DTensors (whose norms the full listing reduces over the mesh)."""
         plan = self._plan
-        grads = plan.grads() if plan is not None and plan.matches(self) else None
+        grads = (plan.grads() if plan is not None and not plan.sharded and plan.matches(self)
+                 else None)
         return None if grads is None else (grads, plan.params, plan.batch.group_of)
 
     def _planned_step(self, lr, grad_scale, skip, zero_grads_on_skip, amp):
