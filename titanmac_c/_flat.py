@@ -77,6 +77,16 @@ class GradientMark:
         return cls(params, grads, tuple(map(_VERSION, grads))) if params else None
 
     @classmethod
+    def of_planned(cls, params, grads):
+        """The mark of every grouped parameter's gradient as a cached plan just read them
+        (params: the plan's list of the grouped parameters, which the next step's plan
+        recognizes by identity), or None when one has no version (an inference tensor)."""
+        try:
+            return cls(params, grads, tuple(map(_VERSION, grads)))
+        except RuntimeError:
+            return None
+
+    @classmethod
     def of_first(cls, param_groups):
         """The mark of the first grouped gradient with a version only: a backward or a
         zero_grad() changes it as it changes all, at no per-gradient cost; a change of other
@@ -89,11 +99,17 @@ class GradientMark:
         return None
 
     def holds(self):
+        return self.current() is not None
+
+    def current(self):
+        """The marked parameters' gradients as read now when they are the marked ones,
+        unchanged; else None."""
         grads = list(map(_GRAD, self.params))
         # a gradient set to None matches a dead reference: ruled out first
-        return (not any(map(_IS_NONE, grads))
-                and all(map(operator.is_, grads, map(_DEREF, self.refs)))
-                and tuple(map(_VERSION, grads)) == self.versions)
+        if (not any(map(_IS_NONE, grads)) and all(map(operator.is_, grads, map(_DEREF, self.refs)))
+                and tuple(map(_VERSION, grads)) == self.versions):
+            return grads
+        return None
 
     def kept_gradients(self):
         """The marked gradients still in place, unchanged (after holds() was False: those the

@@ -67,12 +67,14 @@ def _raise_if_sparse(optimizer):
 
 def folded_clip(optimizer, max_norm, norm_type, error_if_nonfinite, total_norm):
     """(the total norm as AdamW.clip_grad_norm_ returns it, the [1] coefficient tensor on the
-    gradients' device or None when there is no gradient). Writes nothing of the optimizer."""
+    gradients' device or None when there is no gradient, the gradients of every grouped
+    parameter when the cached plan gave them, else None). Writes nothing of the optimizer."""
     max_norm = _check_max_norm(max_norm)
     norm_type = _check_norm_type(norm_type)
     grads, dtype = _gradients(optimizer, norm_type)
+    planned = grads if dtype is not None else None
     if not grads:
-        return torch.tensor(0.0), None
+        return torch.tensor(0.0), None, None
     sharded = mesh = None  # mesh: the result is returned replicated over it
     # a cached plan holds no DTensor (their batches get none): no check needed then
     if total_norm is None and dtype is None and any_dtensor(grads):
@@ -123,4 +125,4 @@ def folded_clip(optimizer, max_norm, norm_type, error_if_nonfinite, total_norm):
     result = total[0] if dtype == total.dtype else total[0].to(dtype)
     if error_if_nonfinite:  # the norm as returned: an fp16 one is inf where the float32 one
         _raise_if_nonfinite(result, norm_type)  # is finite, and torch raises there
-    return (result if mesh is None else replicated(mesh, result)), buf[1:2]
+    return (result if mesh is None else replicated(mesh, result)), buf[1:2], planned

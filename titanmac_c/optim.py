@@ -170,12 +170,15 @@ class AdamW(Optimizer):
         the model's), a gradient set anew, another backward or an in-place edit before the step
         drops it, as torch's clipped gradients would be gone; load_state_dict() keeps it.
         """
-        result, coef = folded_clip(self, max_norm, norm_type, error_if_nonfinite, total_norm)
+        result, coef, planned = folded_clip(self, max_norm, norm_type, error_if_nonfinite,
+                                            total_norm)
         if coef is None:  # no gradient
             self._clip_coef = {}
             return result
         self._clip_coef = {coef.device: coef}
-        self._clip_mark = GradientMark.of(self.param_groups)
+        # the plan's gradients, read once for the norm and the mark (~65 ns a gradient each)
+        mark = None if planned is None else GradientMark.of_planned(self._plan.owners, planned)
+        self._clip_mark = mark or GradientMark.of(self.param_groups)
         return result
 
     @torch.no_grad()
@@ -206,10 +209,13 @@ class AdamW(Optimizer):
             self._fused_step_impl(lr, grad_scale, skip, zero_grads_on_skip, amp)
 
     def _fused_step_impl(self, lr, grad_scale, skip, zero_grads_on_skip, amp):
-        if self._clip_coef and self._clip_mark is not None and not self._clip_mark.holds():
-            self._apply_clip_to_kept_gradients()
+        marked = None  # the gradients the clip coefficient is for, as read now
+        if self._clip_coef and self._clip_mark is not None:
+            marked = self._clip_mark.current()
+            if marked is None:
+                self._apply_clip_to_kept_gradients()
         args = (lr, grad_scale, skip, zero_grads_on_skip, amp)
-        if self._planned_step(*args):
+        if self._planned_step(*args, marked=marked):
             return
         batches, new_state, groups, lrs = self._collect()
         if len(batches) > 1:
@@ -264,12 +270,16 @@ class AdamW(Optimizer):
                  else None)
         return None if grads is None else (grads, plan.params, plan.batch.group_of)
 
-    def _planned_step(self, lr, grad_scale, skip, zero_grads_on_skip, amp):
+    def _planned_step(self, lr, grad_scale, skip, zero_grads_on_skip, amp, marked=None):
         """The step through the cached plan; False (nothing written) when there is none, it no
         longer matches, a gradient is missing or the C core refused the call (the full path then
-        runs and names the problem)."""
+        runs and names the problem). marked: the clip mark's gradients as just read, taken
+        when the mark is of the plan's parameters (GradientMark.of_planned)."""
         plan, self._plan = self._plan, None
-        grads = plan.grads() if plan is not None and plan.matches(self) else None
+        grads = None
+        if plan is not None and plan.matches(self):
+            grads = marked if marked is not None and self._clip_mark.params is plan.owners \
+                else plan.grads()
         if grads is None:
             return False
         try:
