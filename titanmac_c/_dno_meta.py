@@ -9,7 +9,7 @@ A mixin of titanmac_c.DeepNestedOptimizer (deep_nested.py); the MLP's proxy loss
 
 import torch
 
-from ._flat import GradientMark
+from ._grad_mark import GradientMark
 from ._reference_dno import (
     EXPLICIT_META_ROWS,
     META_GRAD_CLIP,

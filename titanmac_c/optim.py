@@ -17,8 +17,9 @@ from ._adamw_hparams import Hyperparameters, scalar
 from ._adamw_state import check_loaded_state, init_state, normalize_steps
 from ._amp import AmpScaling
 from ._distributed import dtensor_type
-from ._flat import Batch, GradientMark, Plan
+from ._flat import Batch, Plan
 from ._folded_clip import folded_clip
+from ._grad_mark import GradientMark
 from .functional import _scale_grads
 from ._runtime import (
     COMPLEX_DTYPES,
