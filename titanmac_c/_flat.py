@@ -7,7 +7,7 @@ import operator
 import torch
 
 from ._adamw_state import STATE_KEYS, malformed_state, step_count
-from ._distributed import dtensor_type, localize, refuse_plain_with_dtensor
+from ._distributed import dtensor_type, local_of, localize, refuse_plain_with_dtensor
 from ._runtime import (COMPLEX_DTYPES, dense_order, is_expanded, is_strided_only,
                        real_view)
 
@@ -196,10 +196,7 @@ class Batch:
             if is_strided_only(p):
                 raise BufferError(f"params[{i}]: not contiguous, nor dense in another order "
                                   f"({name})")
-            tensors = [self.grads[i], self.exp_avgs[i], self.exp_avg_sqs[i]]
-            if self.amsgrad:
-                tensors.append(self.max_exp_avg_sqs[i])
-            for t in tensors:
+            for t in (ts[i] for ts in self.paired_lists()):
                 if not isinstance(t, torch.Tensor):
                     raise TypeError(f"{name}: a state entry is a {type(t).__name__}, not a "
                                     "tensor")
@@ -311,6 +308,6 @@ class Plan:
             if not all(_placed_as(ts[i], mesh, placements) for ts in lists):
                 return False
             for ts in lists:
-                ts[i] = ts[i]._local_tensor
-            batch.params[i] = p._local_tensor  # `p.data = ...` may have replaced it
+                ts[i] = local_of(ts[i])
+            batch.params[i] = local_of(p)  # `p.data = ...` may have replaced it
         return True

@@ -72,11 +72,11 @@ def folded_clip(optimizer, max_norm, norm_type, error_if_nonfinite, total_norm):
     max_norm = _check_max_norm(max_norm)
     norm_type = _check_norm_type(norm_type)
     grads, dtype = _gradients(optimizer, norm_type)
-    planned = grads if dtype is not None else None
+    planned = grads if dtype is not None else None  # _gradients knows the dtype from a plan only
     if not grads:
         return torch.tensor(0.0), None, None
     sharded = mesh = None  # mesh: the result is returned replicated over it
-    # a cached plan holds no DTensor (their batches get none): no check needed then
+    # the plan's gradients hold no DTensor (_planned_flat gives none of a sharded plan)
     if total_norm is None and dtype is None and any_dtensor(grads):
         names = [f"param_groups[{gi}]['params'][{pi}]"
                  for gi, group in enumerate(optimizer.param_groups)

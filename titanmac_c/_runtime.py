@@ -93,7 +93,9 @@ def call_dense(fn, *lists, read_only=False):
     try:
         return fn(*lists)
     except BufferError:
-        copies = [None if ts is None or not read_only else strided_copies(ts) for ts in lists]
+        if not read_only:
+            raise
+        copies = [None if ts is None else strided_copies(ts) for ts in lists]
         if all(c is None for c in copies):
             raise
         return fn(*(ts if c is None else c for ts, c in zip(lists, copies)))

@@ -56,7 +56,7 @@ check_order(const tm_role *r, int32_t i)
 {
     const tm_tensor *t = &r->list.tensors[i];
     char label[TM_LABEL_TEXT], layout[TM_LAYOUT_TEXT];
-    TM_CHECK(t->shape == NULL || (r->flags & TM_ROLE_ANY_ORDER), TM_ERR_BUFFER,
+    TM_CHECK(t->shape == NULL || (r->flags & (TM_ROLE_ANY_ORDER | TM_ROLE_PAIRED)), TM_ERR_BUFFER,
              "%s: not contiguous (%s)", tm_label(r->list.name, index_of(r, i), label),
              tm_layout_text(t, layout));
     return TM_OK;

@@ -220,13 +220,12 @@ tm_validate_adamw(const tm_adamw_tensors *t, const tm_adamw_args *args, const tm
              "tm_adamw_step: tensors, args and inputs must not be NULL");
     TM_CHECK(exec != NULL, TM_ERR_INTERNAL, "exec is NULL");
     /* element-wise: gradient and state in the parameter's memory order, whatever it is */
-    const unsigned paired = TM_ROLE_ANY_ORDER | TM_ROLE_PAIRED;
-    const unsigned state = TM_ROLE_WRITTEN | TM_ROLE_MATCH | paired;
+    const unsigned state = TM_ROLE_WRITTEN | TM_ROLE_MATCH | TM_ROLE_PAIRED;
     const int unscales = tm_tensor_given(&in->loss_scale);
     const int zeroes = args->zero_grads_on_skip && tm_tensor_given(&in->skip);
     tm_role roles[ADAMW_ROLES] = {
         [ADAMW_PARAMS] = tm_list_role(&t->params, "params", TM_ROLE_WRITTEN | TM_ROLE_ANY_ORDER),
-        [ADAMW_GRADS] = tm_list_role(&t->grads, "grads", TM_ROLE_MATCH | paired |
+        [ADAMW_GRADS] = tm_list_role(&t->grads, "grads", TM_ROLE_MATCH | TM_ROLE_PAIRED |
                                      (unscales || zeroes ? TM_ROLE_STORED : 0)),
         [ADAMW_EXP_AVG] = tm_list_role(&t->exp_avg, "exp_avg", state),
         [ADAMW_EXP_AVG_SQ] = tm_list_role(&t->exp_avg_sq, "exp_avg_sq", state),

@@ -68,11 +68,10 @@ static int
 build_roles(const tm_cms_tensors *t, const tm_cms_inputs *in, int32_t k, tm_role *roles)
 {
     /* element-wise: gradient and state in the parameter's memory order, whatever it is */
-    const unsigned paired = TM_ROLE_ANY_ORDER | TM_ROLE_PAIRED;
-    const unsigned state = TM_ROLE_WRITTEN | TM_ROLE_MATCH_NUMEL | paired;
+    const unsigned state = TM_ROLE_WRITTEN | TM_ROLE_MATCH_NUMEL | TM_ROLE_PAIRED;
     int n = 0;
     roles[n++] = tm_list_role(&t->params, "params", TM_ROLE_WRITTEN | TM_ROLE_ANY_ORDER);
-    roles[n++] = tm_list_role(&t->grads, "grads", TM_ROLE_MATCH | paired);
+    roles[n++] = tm_list_role(&t->grads, "grads", TM_ROLE_MATCH | TM_ROLE_PAIRED);
     for (int r = 0; r < 4; r++) {
         for (int32_t l = 0; l < k; l++) {
             roles[n++] = tm_list_role(state_list(t, r, l), cms_state_names[r][l], state);
@@ -274,11 +273,12 @@ tm_validate_cms_surrogate(const tm_cms_surrogate_tensors *t, const tm_cms_surrog
              "tm_cms_surrogate: tensors, args and inputs must not be NULL");
     TM_CHECK(exec != NULL, TM_ERR_INTERNAL, "exec is NULL");
     tm_role roles[SUR_ROLES];
-    const unsigned paired = TM_ROLE_ANY_ORDER | TM_ROLE_PAIRED; /* element-wise */
+    /* element-wise: momentum and outputs in the targets' memory order, whatever it is */
     roles[SUR_TARGETS] = tm_list_role(&t->targets, "targets", TM_ROLE_ANY_ORDER);
-    roles[SUR_MOMENTUM] = tm_list_role(&t->momentum, "momentum", TM_ROLE_MATCH_NUMEL | paired);
+    roles[SUR_MOMENTUM] = tm_list_role(&t->momentum, "momentum",
+                                       TM_ROLE_MATCH_NUMEL | TM_ROLE_PAIRED);
     roles[SUR_OUTPUTS] = tm_list_role(&t->outputs, "outputs",
-                                      TM_ROLE_WRITTEN | TM_ROLE_MATCH_NUMEL | paired);
+                                      TM_ROLE_WRITTEN | TM_ROLE_MATCH_NUMEL | TM_ROLE_PAIRED);
     roles[SUR_WEIGHTS] = tm_list_role(&t->weights, "weights", 0);
     roles[SUR_WEIGHT_GRADS] = tm_list_role(&t->weight_grads, "weight_grads", TM_ROLE_WRITTEN);
     roles[SUR_SCALE] = tm_lone_role(&in->scale, "scale", 0);

@@ -70,7 +70,8 @@ typedef enum { TM_DEVICE_CPU = 1, TM_DEVICE_CUDA = 2 } tm_device_type;
  * dimensions (channels_last, transposed; all strides of dimensions longer than 1 positive), and
  * shape/strides (ndim of each, strides in elements) say which: element-wise ops read it as numel
  * elements in memory order, which pairs its elements with another tensor's only when that one
- * lies in the same order (the roles' TM_ROLE_PAIRED check). The arrays are borrowed for the call. */
+ * lies in the same order (the roles' TM_ROLE_PAIRED check). The arrays are borrowed for the
+ * call. */
 typedef struct {
     void *data;
     int64_t numel;

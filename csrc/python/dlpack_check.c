@@ -4,9 +4,9 @@
  * `__c_dlpack_exchange_api__`), looked up once per type; an object's __dlpack_device__(). One
  * DLTensor (+ flags) becomes a tm_tensor after the checks every consumer makes (numpy dlpack.c,
  * nanobind, section 6 of docs/dlpack.md): device (cpu, pinned host, or cuda), dtype (float32,
- * float16, bfloat16; lanes 1), shape, layout (C-contiguous ignoring size-1 dims, whose strides torch
- * <= 2.9 rewrote to 1, NULL strides = compact; or dense in another order, whose shape and strides
- * the tm_tensor keeps), data + byte_offset, READ_ONLY. And the labelled errors
+ * float16, bfloat16; lanes 1), shape, layout (C-contiguous ignoring size-1 dims, whose strides
+ * torch <= 2.9 rewrote to 1, NULL strides = compact; or dense in another order, whose shape and
+ * strides the tm_tensor keeps), data + byte_offset, READ_ONLY. And the labelled errors
  * ("grads[3]: ...") of the importer. No ownership here: that is dlpack_import.c's.
  */
 #include "dlpack_import.h"

@@ -17,7 +17,8 @@
 #include "titanmac.h"
 #include "tm_dlpack.h"
 
-#define PY_BATCH_ARENA 24576 /* bytes: 384 tm_tensor (six lists of 64, 56 bytes each) plus group arrays */
+/* bytes: 384 tm_tensor (six lists of 64, 56 bytes each) plus group arrays */
+#define PY_BATCH_ARENA 24576
 #define PY_BATCH_INLINE_REFS 400
 #define PY_BATCH_INLINE_OWNED 16
 #define PY_BATCH_MAX_BLOCKS 32 /* cms_step imports up to 20 lists */
