@@ -164,56 +164,50 @@ typedef struct {
     int written;
 } tm_span;
 
-static int
-span_before(const tm_span *x, const tm_span *y)
-{
-    if (x->lo != y->lo) {
-        return x->lo < y->lo;
-    }
-    return x->role != y->role ? x->role < y->role : x->index < y->index;
-}
+/* A span's start address and its place in the spans array: what the sort moves. */
+typedef struct {
+    uintptr_t lo;
+    int64_t at;
+} tm_span_key;
 
-/* The end of the ascending run that starts at i. */
-static int64_t
-run_end(const tm_span *s, int64_t i, int64_t n)
-{
-    while (++i < n && !span_before(&s[i], &s[i - 1])) {
-    }
-    return i;
-}
+enum { TM_RADIX_BITS = 8, TM_RADIX_BUCKETS = 1 << TM_RADIX_BITS };
 
-/* Sorts s[0, n) by (lo, role, index), tmp[n] its scratch: passes that merge neighbouring
- * ascending runs. Each list's tensors, allocated in order, are usually one run, so a call takes
- * a few linear passes where a comparison sort would take n log n calls of a comparator (most of
- * the host time of a step over a thousand tensors). Returns the array that holds the result. */
-static tm_span *
-sort_spans(tm_span *s, tm_span *tmp, int64_t n)
+/* Sorts keys[0, n) by address, tmp[n] its scratch, stably: equal addresses keep the order of the
+ * spans array, which lists roles and indices in order, so ties come out by (role, index) as the
+ * checks above name faults. A least-significant-digit radix sort over the address bits that
+ * differ between spans (a few passes of 8 bits): a model's tensors lie in the heap in no order
+ * related to their lists, and a comparison sort then takes n log n unpredictable branches (most
+ * of the C core's host time of a step over a thousand tensors). Returns the sorted array. */
+static tm_span_key *
+sort_spans(tm_span_key *keys, tm_span_key *tmp, int64_t n)
 {
-    for (;;) {
-        int64_t a = 0, runs = 0;
-        while (a < n) {
-            int64_t b = run_end(s, a, n);
-            int64_t c = b < n ? run_end(s, b, n) : n;
-            int64_t i = a, j = b, k = a;
-            while (i < b && j < c) {
-                tmp[k++] = span_before(&s[j], &s[i]) ? s[j++] : s[i++];
-            }
-            while (i < b) {
-                tmp[k++] = s[i++];
-            }
-            while (j < c) {
-                tmp[k++] = s[j++];
-            }
-            runs++;
-            a = c;
+    uintptr_t differ = 0;
+    for (int64_t i = 1; i < n; i++) {
+        differ |= keys[i].lo ^ keys[0].lo;
+    }
+    for (unsigned shift = 0; shift < sizeof(uintptr_t) * 8 && (differ >> shift) != 0;
+         shift += TM_RADIX_BITS) {
+        if (((differ >> shift) & (TM_RADIX_BUCKETS - 1)) == 0) {
+            continue; /* a digit every span shares (e.g. the low bits of aligned addresses) */
         }
-        tm_span *t = s;
-        s = tmp;
+        int64_t start[TM_RADIX_BUCKETS] = {0};
+        for (int64_t i = 0; i < n; i++) {
+            start[(keys[i].lo >> shift) & (TM_RADIX_BUCKETS - 1)]++;
+        }
+        int64_t sum = 0;
+        for (int b = 0; b < TM_RADIX_BUCKETS; b++) {
+            int64_t c = start[b];
+            start[b] = sum;
+            sum += c;
+        }
+        for (int64_t i = 0; i < n; i++) {
+            tmp[start[(keys[i].lo >> shift) & (TM_RADIX_BUCKETS - 1)]++] = keys[i];
+        }
+        tm_span_key *t = keys;
+        keys = tmp;
         tmp = t;
-        if (runs <= 1) {
-            return s;
-        }
     }
+    return keys;
 }
 
 /* "later: shares memory with earlier", later and earlier in (role, index) order, as the
@@ -233,25 +227,27 @@ report_overlap(const tm_role *roles, const tm_span *x, const tm_span *y)
                         tm_label(ry->list.name, index_of(ry, y->index), b));
 }
 
-/* One sweep over the spans sorted by address: a span overlaps an earlier one exactly when it
- * starts before the furthest end reached so far, so a written span is checked against the
- * furthest-reaching span of any kind, a read one against the furthest-reaching written one.
- * Parallel writers (threads, CUDA blocks) would race on shared memory, and a read of memory the
- * call writes would see old or new values by timing. */
+/* One sweep over the spans in address order (order[k] the k-th): a span overlaps an earlier one
+ * exactly when it starts before the furthest end reached so far, so a written span is checked
+ * against the furthest-reaching span of any kind, a read one against the furthest-reaching
+ * written one. Parallel writers (threads, CUDA blocks) would race on shared memory, and a read of
+ * memory the call writes would see old or new values by timing. */
 static tm_status
-sweep_spans(const tm_role *roles, const tm_span *s, int64_t n)
+sweep_spans(const tm_role *roles, const tm_span *s, const tm_span_key *order, int64_t n)
 {
-    int64_t any = 0, written = s[0].written ? 0 : -1;
+    const tm_span *any = &s[order[0].at];
+    const tm_span *written = any->written ? any : NULL;
     for (int64_t k = 1; k < n; k++) {
-        if (s[k].written && s[k].lo < s[any].hi) {
-            return report_overlap(roles, &s[k], &s[any]);
+        const tm_span *x = &s[order[k].at];
+        if (x->written && x->lo < any->hi) {
+            return report_overlap(roles, x, any);
         }
-        if (!s[k].written && written >= 0 && s[k].lo < s[written].hi) {
-            return report_overlap(roles, &s[k], &s[written]);
+        if (!x->written && written != NULL && x->lo < written->hi) {
+            return report_overlap(roles, x, written);
         }
-        any = s[k].hi > s[any].hi ? k : any;
-        if (s[k].written && (written < 0 || s[k].hi > s[written].hi)) {
-            written = k;
+        any = x->hi > any->hi ? x : any;
+        if (x->written && (written == NULL || x->hi > written->hi)) {
+            written = x;
         }
     }
     return TM_OK;
@@ -279,20 +275,23 @@ check_disjoint(const tm_role *roles, int n)
     if (count < 2 || writers == 0) {
         return TM_OK;
     }
-    tm_span *s = malloc(2 * (size_t)count * sizeof *s); /* the spans, then sort_spans' scratch */
+    /* the spans, their sort keys and the sort's scratch, in one block */
+    tm_span *s = malloc((size_t)count * (sizeof *s + 2 * sizeof(tm_span_key)));
     TM_CHECK(s != NULL, TM_ERR_INTERNAL, "out of host memory (%lld tensors)", (long long)count);
+    tm_span_key *keys = (tm_span_key *)(s + count);
     int64_t m = 0;
     for (int k = 0; k < n; k++) {
         const tm_role *r = &roles[k];
         for (int32_t i = 0; i < r->list.count; i++) {
             uintptr_t lo, hi;
             if (tensor_bytes(r, i, &lo, &hi)) {
+                keys[m] = (tm_span_key){lo, m};
                 s[m++] = (tm_span){lo, hi, k, i,
                                    (r->flags & (TM_ROLE_WRITTEN | TM_ROLE_STORED)) != 0};
             }
         }
     }
-    tm_status st = m > 1 ? sweep_spans(roles, sort_spans(s, s + count, m), m) : TM_OK;
+    tm_status st = m > 1 ? sweep_spans(roles, s, sort_spans(keys, keys + count, m), m) : TM_OK;
     free(s);
     return st;
 }
