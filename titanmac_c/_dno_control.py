@@ -60,8 +60,8 @@ class ControlStepMixin:
 
     def _gather(self, with_params):
         """Grads (and params) of the grouped tensors that have a gradient, with group indices;
-        and whether every grouped tensor has one. In the steady state AdamW's cached plan has
-        these lists already (read-only)."""
+        and whether they were listed through AdamW's cached plan, which holds these lists in the
+        steady state (read-only) and lists them only when every grouped tensor has one."""
         flat = self.base_optimizer._planned_flat()
         if flat is not None:
             grads, params, group_of = flat
@@ -78,7 +78,8 @@ class ControlStepMixin:
     def _run_norms(self, update):
         """tm_norms into self._norms: group grad norms, group param norms (controller steps),
         total grad norm. Parameters without a gradient still count in their group's parameter
-        norm (spec 3), through a second pass over just those."""
+        norm (spec 3), through a second pass over just those. Returns the gradients as AdamW's
+        cached plan listed them, for its update in the same step, or None (no plan)."""
         g = N_GROUPS
         norms = self._norms
         grads, params, group_of, complete = self._gather(update)
@@ -108,6 +109,7 @@ class ControlStepMixin:
             if missing or not grads:
                 extra = self._param_norms_without_grads(missing)
                 norms[g:2 * g] = torch.sqrt(norms[g:2 * g] ** 2 * bool(grads) + extra ** 2)
+        return grads if complete else None
 
     def _ungrouped_grads(self):
         """Gradients of model parameters outside the groups (frozen when the optimizer was built

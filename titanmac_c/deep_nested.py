@@ -331,7 +331,7 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin, MetaLearningMixin,
 
     def _eager_step(self, t, update, check_loss):
         with prof.step_range(prof.STATS):
-            self._run_norms(update)
+            planned_grads = self._run_norms(update)
         with prof.step_range(prof.CONTROLLER):
             self._control(t, update, check_loss)
         try:
@@ -346,7 +346,8 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin, MetaLearningMixin,
                     else:
                         self.base_optimizer._fused_step(lr=self._lr, grad_scale=self._coef,
                                                         skip=self.skipped,
-                                                        zero_grads_on_skip=True)
+                                                        zero_grads_on_skip=True,
+                                                        planned_grads=planned_grads)
         except Exception as err:  # a refusal, or a malformed state entry found before a write
             if not self._updated:
                 self._undo_control()

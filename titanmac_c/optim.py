@@ -200,23 +200,25 @@ class AdamW(Optimizer):
         return loss
 
     def _fused_step(self, lr=None, grad_scale=None, skip=None, zero_grads_on_skip=False,
-                    amp=None):
+                    amp=None, planned_grads=None):
         """The step itself. lr: None (the groups' "lr" values), or a float32 tensor with one
         learning rate per param group on the parameters' device; grad_scale / skip: None or
         float32 [1] device tensors (see titanmac.h tm_adamw_step; lr and grad_scale may also
         be float64). The DeepNestedOptimizer calls this with values its control step computed
-        on the device. amp: the AmpScaling of a GradScaler's step, or None."""
+        on the device. amp: the AmpScaling of a GradScaler's step, or None. planned_grads: the
+        gradients _planned_flat returned to the caller within this step (nothing between could
+        have replaced one), so the plan need not read them again."""
         with prof.step_range(prof.UPDATE):
-            self._fused_step_impl(lr, grad_scale, skip, zero_grads_on_skip, amp)
+            self._fused_step_impl(lr, grad_scale, skip, zero_grads_on_skip, amp, planned_grads)
 
-    def _fused_step_impl(self, lr, grad_scale, skip, zero_grads_on_skip, amp):
+    def _fused_step_impl(self, lr, grad_scale, skip, zero_grads_on_skip, amp, planned_grads):
         marked = None  # the gradients the clip coefficient is for, as read now
         if self._clip_coef and self._clip_mark is not None:
             marked = self._clip_mark.current()
             if marked is None:
                 self._apply_clip_to_kept_gradients()
         args = (lr, grad_scale, skip, zero_grads_on_skip, amp)
-        if self._planned_step(*args, marked=marked):
+        if self._planned_step(*args, marked=marked, planned_grads=planned_grads):
             return
         batches, new_state, groups, lrs = self._collect()
         if len(batches) > 1:
@@ -271,16 +273,22 @@ class AdamW(Optimizer):
                  else None)
         return None if grads is None else (grads, plan.params, plan.batch.group_of)
 
-    def _planned_step(self, lr, grad_scale, skip, zero_grads_on_skip, amp, marked=None):
+    def _planned_step(self, lr, grad_scale, skip, zero_grads_on_skip, amp, marked=None,
+                      planned_grads=None):
         """The step through the cached plan; False (nothing written) when there is none, it no
         longer matches, a gradient is missing or the C core refused the call (the full path then
         runs and names the problem). marked: the clip mark's gradients as just read, taken
-        when the mark is of the plan's parameters (GradientMark.of_planned)."""
+        when the mark is of the plan's parameters (GradientMark.of_planned); planned_grads: as
+        _fused_step's."""
         plan, self._plan = self._plan, None
         grads = None
         if plan is not None and plan.matches(self):
-            grads = marked if marked is not None and self._clip_mark.params is plan.owners \
-                else plan.grads()
+            if planned_grads is not None:
+                grads = planned_grads
+            elif marked is not None and self._clip_mark.params is plan.owners:
+                grads = marked
+            else:
+                grads = plan.grads()
         if grads is None:
             return False
         try:
