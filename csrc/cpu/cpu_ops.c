@@ -201,7 +201,8 @@ scale_segment(void *vctx, int32_t i, int64_t b0, int64_t b1, int64_t global_bloc
 tm_status
 cpu_scale(const tm_tensor_list *tensors, const tm_tensor *scale, const tm_exec *exec)
 {
-    /* Read once up front: the factor may live inside one of the tensors being scaled. */
+    /* Read once up front, as every block scales by the same value (the memory-sharing check
+     * refuses a factor that lies inside a tensor being scaled). */
     scale_ctx ctx = {tensors, cpu_read_real(scale, 0), cpu_active_kernels()->scale};
     cpu_for_each_block(tensors, exec, scale_segment, &ctx);
     return TM_OK;

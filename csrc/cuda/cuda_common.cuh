@@ -30,7 +30,10 @@
 #define TM_VEC_BYTES 16    /* widest plain global load/store: LDG.128 / STG.128 */
 #define TM_MAX_GRID_X 2147483647LL /* gridDim.x limit, hence chunks per launch */
 #define TM_MIN_BLOCKS 2    /* AdamW's blocks per SM: caps it at 64 registers, so 32 warps of loads
-                              are in flight per SM rather than 16 (no spills on any target) */
+                              are in flight per SM rather than 16. ptxas (CUDA 13) spills a few
+                              bytes of the float32 amsgrad and float64 kernels at this cap (up to
+                              168 B for float64 amsgrad); one block per SM removes the spills for
+                              float64 but halves the loads in flight: untimed on a GPU yet */
 
 static_assert(TM_BLOCK % 32 == 0 && TM_BLOCK <= 1024, "whole warps, one block");
 /* Chunk c of a tensor starts c * TM_CHUNK elements (of 2, 4 or 8 bytes) in: a 16-aligned tensor
