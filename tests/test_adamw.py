@@ -375,6 +375,27 @@ def test_zero_lr_accepted_and_moves_only_the_state_like_torch(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_negative_lr_from_a_schedule_steps_as_torch(device):
+    """A hand-written linear decay run past its end gives LambdaLR negative learning rates: torch
+    refuses lr < 0 only at construction and steps with them (gradient ascent), so ours does too,
+    value for value."""
+    params_a = make_params([3, 255, 4097], device)
+    params_b = clone_params(params_a)
+    ours = titanmac_c.AdamW(params_a, lr=1e-2, weight_decay=0.1)
+    theirs = torch.optim.AdamW(params_b, lr=1e-2, weight_decay=0.1)
+    decay = lambda step: 1.0 - step / 3  # noqa: E731 (negative from the fourth step on)
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, decay) for o in (ours, theirs)]
+    for step in range(6):
+        set_grads(params_a, params_b, step)
+        ours.step()
+        theirs.step()
+        for s in scheds:
+            s.step()
+        assert_adamw_runs_agree(ours, theirs, params_a, params_b, tol(torch.float32, device))
+    assert ours.param_groups[0]["lr"] < 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_parameter_replaced_in_a_group_list_with_its_old_state_kept(device):
     """A parameter replaced inside a group's list after steps (the cached plan exists, the old
     parameter keeps its state and a gradient, so the state's size is unchanged): the new one is

@@ -371,7 +371,8 @@ def test_constructor_rejects_like_torch(kw, match):
 
 @pytest.mark.parametrize("key, value, match", [
     ("lr", math.nan, r"param_groups\[1\]\['lr'\] = nan"),
-    ("lr", -0.5, r"param_groups\[1\]\['lr'\] = -0.5"),
+    ("lr", math.inf, r"param_groups\[1\]\['lr'\] = inf: must be finite"),
+    ("lr", 1e40, r"param_groups\[1\]\['lr'\] = 1e\+40: beyond float32's range"),
     ("betas", (0.9, math.nan), r"param_groups\[1\]\['betas'\]\[1\] = nan"),
     ("eps", math.inf, r"param_groups\[1\]\['eps'\] = inf: must be finite and >= 0"),
     ("weight_decay", -1.0, r"param_groups\[1\]\['weight_decay'\] = -1.0"),
@@ -380,6 +381,20 @@ def test_hyperparameters_changed_after_construction(key, value, match):
     opt, params = _setup()
     opt.param_groups[1][key] = value
     expect_refused(opt, params, ValueError, match)
+
+
+def test_lr_beyond_float32_refused_before_a_float64_batch_writes():
+    """A float64 group (its own C call, float64 learning rates) beside an amsgrad float32 group
+    whose lr rounds to inf in float32: refused before the first call writes (torch raises
+    too, after writing some parameters)."""
+    a = [torch.nn.Parameter(torch.randn(4, dtype=torch.float64)) for _ in range(2)]
+    b = [torch.nn.Parameter(torch.randn(4)) for _ in range(2)]
+    opt = titanmac_c.AdamW([{"params": a}, {"params": b, "amsgrad": True}], lr=0.1)
+    for p in a + b:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    opt.param_groups[1]["lr"] = 1e40
+    expect_refused(opt, a + b, ValueError, r"param_groups\[1\]\['lr'\] = 1e\+40")
 
 
 def test_bad_state_in_second_group_changes_first_group_neither():

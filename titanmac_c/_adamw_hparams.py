@@ -7,11 +7,13 @@ import math
 import torch
 from torch import Tensor
 
-from ._runtime import float_in_range
+from ._runtime import as_number, float_in_range
 
 # values that cannot change in place: a group holding only these, as at its last check, needs no
 # new check (a tensor, or a 0-d numpy array, may have changed under the same object)
 _IMMUTABLE = (float, int, bool)
+
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def scalar(name, value):
@@ -64,8 +66,10 @@ class Hyperparameters:
         if isinstance(lr, Tensor):
             if lr.numel() != 1:
                 raise ValueError(f"{where}['lr']: a tensor of {lr.numel()} elements, not 1")
-        else:
-            float_in_range(f"{where}['lr']", lr, 0.0, math.inf, high_open=False)
+        elif not math.isfinite(as_number(f"{where}['lr']", lr)):
+            # a negative one is stepped, as torch steps it (e.g. a LambdaLR's linear decay run
+            # past its end): torch refuses it only at construction
+            raise ValueError(f"{where}['lr'] = {lr}: must be finite")
         try:
             beta1, beta2 = (self._beta_value((gi, k), b) for k, b in enumerate(group["betas"]))
         except (TypeError, ValueError) as e:
@@ -108,6 +112,12 @@ class Hyperparameters:
         cached = self._lr_cache.get(key)
         if cached is not None and cached[0] == values:
             return cached[1]
+        if dtype != torch.float64:
+            for gi, lr in enumerate(values):
+                if abs(lr) > _FLOAT32_MAX:  # would round to inf (torch raises on it too)
+                    raise ValueError(f"param_groups[{gi}]['lr'] = {lr}: beyond float32's range "
+                                     "(the learning rates of a step without float64 parameters "
+                                     "are float32)")
         host = torch.tensor(values, dtype=dtype)
         if device.type != "cuda":
             tensor = host

@@ -226,6 +226,8 @@ class AdamW(Optimizer):
                              or zero_grads_on_skip and skip is not None)
             for batch in batches:
                 batch.precheck(grads_written)
+                if lr is None:  # refuses a learning rate out of the batch's range before any call
+                    self._hparams.lr_tensor(batch.device, lrs, batch.lr_dtype)
         if amp is not None and amp.loss_scale is not None:
             for batch in batches:
                 batch.check_grads_storable()
