@@ -94,18 +94,33 @@ def folded_clip(optimizer, max_norm, norm_type, error_if_nonfinite, total_norm):
     if total_norm is not None:
         total_norm = given_total_norm(total_norm, device, work)
         work = compute_dtype(torch.promote_types(work, total_norm.dtype))
-    buf = torch.empty(2, dtype=work, device=device)
+        dtype = total_norm.dtype  # the result's, as the norm given
+    total, coef = _norm_and_coef(optimizer, grads, sharded, total_norm, norm_type, max_norm,
+                                 work)
+    # in the gradients' dtype, as torch's clip_grad_norm_ returns it (the coefficient comes
+    # from the float32 norm, or the float64 one)
+    result = total[0] if dtype == total.dtype else total[0].to(dtype)
+    if error_if_nonfinite:  # the norm as returned: an fp16 one is inf where the float32 one
+        _raise_if_nonfinite(result, norm_type)  # is finite, and torch raises there
+    return (result if mesh is None else replicated(mesh, result)), coef, planned
+
+
+def _norm_and_coef(optimizer, grads, sharded, total_norm, norm_type, max_norm, work):
+    """(the total norm, the clip coefficient), [1] tensors of dtype work on the gradients'
+    device: over all ranks for DTensors (sharded), from total_norm when one is given, else from
+    one pass over the gradients whose finishing step also writes the coefficient (one launch on
+    CUDA)."""
+    device = grads[0].device
+    buf = torch.empty(3, dtype=work, device=device)  # the norm, the coefficient, a group norm
     kwargs = exec_kwargs(device)
-    if sharded is not None:  # DTensors: the norm over all ranks, then the coefficient
+    if sharded is not None:
         with prof.step_range(prof.STATS):
             total = sharded.total(_local_norm("grads", norm_type), norm_type).reshape(1)
-        _C.clip_coef(total, max_norm, buf[1:2], stream=kwargs.get("stream"))
-    elif total_norm is None:
-        # One pass; its finishing step also writes the coefficient (one launch on CUDA).
-        group = torch.empty(1, dtype=work, device=device)
-
+    elif total_norm is not None:
+        total = total_norm.reshape(1).to(work)
+    else:
         def run(ts):
-            _C.norms(ts, None, group, buf[0:1], norm_type=norm_type, coef=buf[1:2],
+            _C.norms(ts, None, buf[2:3], buf[0:1], norm_type=norm_type, coef=buf[1:2],
                      max_norm=max_norm, scratch=norms_scratch(device, ts), **kwargs)
 
         with prof.step_range(prof.STATS):
@@ -114,15 +129,6 @@ def folded_clip(optimizer, max_norm, norm_type, error_if_nonfinite, total_norm):
             except (BufferError, RuntimeError):
                 _raise_if_sparse(optimizer)
                 raise
-        total = buf[0:1]
-    else:
-        total = total_norm.reshape(1).to(work)
-        _C.clip_coef(total, max_norm, buf[1:2], stream=kwargs.get("stream"))
-    # in the gradients' dtype, as torch's clip_grad_norm_ returns it (the coefficient comes
-    # from the float32 norm, or the float64 one)
-    if total_norm is not None:
-        dtype = total_norm.dtype
-    result = total[0] if dtype == total.dtype else total[0].to(dtype)
-    if error_if_nonfinite:  # the norm as returned: an fp16 one is inf where the float32 one
-        _raise_if_nonfinite(result, norm_type)  # is finite, and torch raises there
-    return (result if mesh is None else replicated(mesh, result)), buf[1:2], planned
+        return buf[0:1], buf[1:2]
+    _C.clip_coef(total, max_norm, buf[1:2], stream=kwargs.get("stream"))
+    return total, buf[1:2]
