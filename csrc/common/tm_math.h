@@ -134,7 +134,7 @@
 TM_DEFINE_ADAMW_MATH(float, , sqrtf)
 TM_DEFINE_ADAMW_MATH(double, _f64, sqrt)
 
-/* ---------------------------------------------------------------- float32-or-float64 scalars ---- */
+/* ------------------------------------------------------- float32-or-float64 scalars ---- */
 
 /* Norms, clip coefficients, scale factors, learning rates and grad scales live in float32 or
  * float64 tensors (float64 where the tensors they serve are). Element i of one at data (f64: it

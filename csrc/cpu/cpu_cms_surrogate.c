@@ -9,7 +9,8 @@
  *                o g, (o - prev)^2: the loss gradient needs the norms there. Elsewhere (every
  *                tensor under the reference's B1, whose g is zero) d loss / d o is known without
  *                them, and the loss's sums come from pass G.
- *   L  serial:   per tensor the loss (normed tensors) and d loss / d o = co o + cg g + ct (o - prev)
+ *   L  serial:   per tensor the loss (normed tensors) and d loss / d o
+ *                = co o + cg g + ct (o - prev)
  *   G  parallel: per block the forward (again, for normed tensors: cheaper than keeping the
  *                activations, [numel, 20] floats per layer in the reference's autograd), o into
  *                outputs, the sums of o^2 and (o - prev)^2, the backward into the block's

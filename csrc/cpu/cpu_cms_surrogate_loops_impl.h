@@ -1,24 +1,22 @@
 /*
- * cpu_cms_surrogate_loops_impl.h -- the loops of tm_cms_surrogate (Phase 1 of the CMS step: the
- * DirectUpdateMLP's surrogate training gradient, spec deep_nested_optimizer.md 7.2 and 7.4) over
- * one block, compiled per instruction set: cpu_cms_loops_impl.h includes it after its tile layer,
- * which both passes reuse. cpu_cms_surrogate.c drives the passes and has the loss's formulas.
- *
- * Tiles of CMS_TILE elements, one SIMD lane per element (a block's last tile is padded with
- * zero inputs and o = 0, whose loss gradient is 0, so they add exact zeros):
+ * cpu_cms_surrogate_loops_impl.h -- the per-block loops of tm_cms_surrogate (CMS Phase 1, the
+ * DirectUpdateMLP's surrogate training gradient, spec deep_nested_optimizer.md 7.2 and 7.4),
+ * compiled per instruction set: cpu_cms_loops_impl.h includes it after its tile layer, whose
+ * forward both passes reuse (so o is Phase 2's MLP output for the same inputs).
+ * cpu_cms_surrogate.c drives the passes and has the loss's formulas. Tiles of CMS_TILE elements,
+ * one SIMD lane per element (a block's last tile is padded with zero inputs and o = 0, whose loss
+ * gradient is 0: exact zeros in every sum):
  *   g^2 pass:      sum g^2 (no MLP)
  *   norms pass:    g, the features, the forward, sums of o^2, o g, (o - prev)^2
- *   gradient pass: the same forward keeping every layer's SiLU output and derivative, d loss / d o
- *                  from the tensor's coefficients, o into outputs, sums of o^2 and (o - prev)^2,
- *                  then the backward: each layer's gradient rows d_j and the layer's inputs x_k
- *                  give dW[j][k] += d_j x_k and db[j] += d_j, and d goes down through W^T and
- *                  SiLU's derivative.
+ *   gradient pass: the forward keeping each layer's SiLU output and derivative, d loss / d o from
+ *                  the tensor's coefficients, o into outputs, sums of o^2 and (o - prev)^2, then
+ *                  the backward: dW[j][k] += d_j x_k, db[j] += d_j, d down through W^T and SiLU'.
  * The weights' gradient is summed over the block in float with FMAs, in CPU_ACC lanes (element
  * e to lane e % 8, as every CPU reduction here: the same bits on every ISA and thread count),
- * and each entry's lanes are joined pairwise in double at the block's end. The forward is the
- * tile layer of Phase 2, so o is Phase 2's MLP output for the same inputs.
+ * each entry's lanes joined pairwise in double at the block's end.
  */
 
+#include <string.h>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -376,11 +374,7 @@ sur_grads(const cpu_sur_block *b, tm_dtype dt)
     float acc[CPU_SUR_MAX_GRAD_ENTRIES][CPU_ACC];
     double sums[2][CPU_ACC] = {{0.0}}; /* o^2, (o - prev)^2: the loss of a tensor whose norms
                                           pass was skipped */
-    for (int64_t q = 0; q < entries; q++) {
-        for (int j = 0; j < CPU_ACC; j++) {
-            acc[q][j] = 0.0f;
-        }
-    }
+    memset(acc, 0, (size_t)entries * sizeof acc[0]); /* the entries of these layers only */
     for (int64_t s = 0; s < b->n; s += CMS_TILE) {
         const int cnt = b->n - s < CMS_TILE ? (int)(b->n - s) : CMS_TILE;
         sur_tile_inputs(b, s, cnt, dt, &t);
