@@ -501,11 +501,13 @@ def _fail_the_update(opt, p):
     (lambda opt, p: torch.empty((), device="meta"), ValueError,
      r"^loss_value: a torch.float32 tensor on meta: expected a real value$"),
     (lambda opt, p: torch.tensor(1 + 2j), ValueError, r"^loss_value: a torch.complex64 tensor"),
-    (lambda opt, p: "abc", ValueError, r"^loss_value = 'abc': expected a number"),
+    (lambda opt, p: "abc", TypeError, r"^loss_value = 'abc': expected a number"),
+    (lambda opt, p: [0.5], TypeError, r"^loss_value = \[0.5\]: expected a number"),
     (lambda opt, p: [opt.base_optimizer.state[p].pop("exp_avg"), 0.5][1], ValueError,
      r"^parameter '2.bias': its state has no 'exp_avg'"),
     (_fail_the_update, RuntimeError, "^the update failed$"),
-], ids=["loss-on-meta", "complex-loss", "string-loss", "state-lost-a-key", "update-failed"])
+], ids=["loss-on-meta", "complex-loss", "string-loss", "list-loss", "state-lost-a-key",
+        "update-failed"])
 def test_a_step_failing_before_its_update_is_undone(kw, spoil, err, match):
     """Failures other than the C core's refusals (a loss that cannot be read, an AdamW state
     entry edited by hand, an unexpected error in the update call): global_step, the

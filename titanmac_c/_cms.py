@@ -129,14 +129,27 @@ class CMSModeMixin:
         state (`p.data = ...` of another size or device) is refused here first, with a message
         that says what happened, nothing written."""
         momentum = self._cms.buffers["momentum"][0]
-        for p in self._gather(with_params=True)[1]:
-            m = momentum[self._cms.index[p]]
+        params = self._gather(with_params=True)[1]
+        for p, i in zip(params, self._cms_indices(params)):
+            m = momentum[i]
             if m.numel() != p.numel() or m.device != p.device:
                 raise ValueError(
                     f"parameter {self._param_names[p]!r}: {p.numel()} elements on {p.device}, "
                     f"its CMS state {m.numel()} on {m.device} (the parameter was replaced since "
                     "the optimizer was built: build a new optimizer, or load a checkpoint of "
                     "this model)")
+
+    def _cms_indices(self, params):
+        """Each parameter's place in the CMS state. One appended to a group after construction
+        has none (the reference fails on it with a KeyError): refused, named, nothing written."""
+        try:
+            return [self._cms.index[p] for p in params]
+        except KeyError as err:
+            name = self._param_names.get(err.args[0], "?")
+            raise ValueError(
+                f"parameter {name!r}: no CMS state (appended to a group after the optimizer was "
+                "built: CMS mode keeps the state of the parameters it was built with, as the "
+                "reference does; build a new optimizer to train it)") from None
 
     def _phase1_due(self, t):
         """Phase 1 runs at step t (the DirectUpdateMLP's surrogate training)."""
@@ -221,7 +234,7 @@ class CMSModeMixin:
         grads, params, group_of, _ = self._gather(with_params=True)
         if not params:
             return
-        idx = [cms.index[p] for p in params]
+        idx = self._cms_indices(params)
         try:
             # a gradient laid out otherwise than its parameter, buffers of a parameter relaid
             # out since: the C core refuses them (it pairs elements by their place in memory)

@@ -4,6 +4,7 @@ call, then tm_dno_control (loss EMA, NestedController, learning rates, clip coef
 predicate) on the device. Every tensor list comes from AdamW's cached plan in the steady state.
 """
 
+import operator
 import re
 
 import torch
@@ -53,10 +54,51 @@ def watch_model_edits():
     return _MODEL_EDITS[0]
 
 
+class GroupWatch:
+    """The base optimizer's groups as last seen, to tell when a parameter was appended to,
+    removed from or replaced in one since (which model parameters lie outside the groups
+    follows such edits). Copies and pickles start unseen: the next look rebuilds."""
+
+    __slots__ = ("seen", "plan")
+
+    def __init__(self):
+        self.seen = self.plan = None
+
+    def __reduce__(self):
+        return GroupWatch, ()
+
+    def changed(self, optimizer, planned):
+        """Whether the groups differ from those of the last call. planned: AdamW's cached plan
+        matched the groups in this step (so when it is the plan of the last call, they are as
+        then, at no cost; else the groups are compared parameter by parameter, C-level maps)."""
+        plan = optimizer._plan if planned else None
+        if plan is not None and plan is self.plan:
+            return False
+        groups, seen = optimizer.param_groups, self.seen
+        same = seen is not None and len(groups) == len(seen) and all(
+            group is built and group["params"] is listed and len(listed) == len(params)
+            and all(map(operator.is_, listed, params))
+            for group, (built, listed, params) in zip(groups, seen))
+        if not same:
+            self.seen = [(g, g["params"], list(g["params"])) for g in groups]
+        self.plan = plan
+        return not same
+
+
 class ControlStepMixin:
     """Needs from the optimizer: base_optimizer, controller, device, the device buffers _norms,
-    _loss, _lr_multipliers, ema_loss, _lr, _coef, skipped, the hyperparameters it passes, and
-    _weight_views = {} (the cache of _weights_of)."""
+    _loss, _lr_multipliers, ema_loss, _lr, _coef, skipped, the hyperparameters it passes,
+    _weight_views = {} (the cache of _weights_of), _param_names, and _group_watch = GroupWatch()
+    with _ungrouped and _model_edits (the state of _ungrouped_grads)."""
+
+    def _check_group_count(self):
+        """Refuses a step over another number of groups than the controller's."""
+        groups = self.base_optimizer.param_groups
+        if len(groups) != N_GROUPS:  # e.g. base_optimizer.add_param_group(): refused, no change
+            raise ValueError(
+                f"base_optimizer.param_groups: {len(groups)} groups, where the controller sets "
+                f"the learning rates of {N_GROUPS} (core, embed); append a parameter to one of "
+                "their 'params' lists instead")
 
     def _gather(self, with_params):
         """Grads (and params) of the grouped tensors that have a gradient, with group indices;
@@ -99,7 +141,7 @@ class ControlStepMixin:
                 call_norms(run, grads, params)
             except (BufferError, ValueError, TypeError) as err:
                 self._reraise_named(err, self._gather(True)[1])
-        extra = self._ungrouped_grads()
+        extra = self._ungrouped_grads(planned=complete)
         if extra:
             self._add_to_total_norm(extra)
         if update:
@@ -111,15 +153,33 @@ class ControlStepMixin:
                 norms[g:2 * g] = torch.sqrt(norms[g:2 * g] ** 2 * bool(grads) + extra ** 2)
         return grads if complete else None
 
-    def _ungrouped_grads(self):
+    def _ungrouped_grads(self, planned=False):
         """Gradients of model parameters outside the groups (frozen when the optimizer was built
         and unfrozen since, or added to the model since): the reference's clip norm covers all
-        of model.parameters() (spec 8). The list is rebuilt only after a model edit."""
-        if self._model_edits != _MODEL_EDITS[0]:
+        of model.parameters() (spec 8), each once. The list is rebuilt only after a model edit
+        or an edit of the groups (a parameter appended to one: then grouped, no longer outside).
+        planned: AdamW's cached plan matched the groups in this step."""
+        groups_changed = self._group_watch.changed(self.base_optimizer, planned)
+        if groups_changed:
+            self._name_new_grouped()
+        if groups_changed or self._model_edits != _MODEL_EDITS[0]:
             self._model_edits = _MODEL_EDITS[0]
+            grouped = {id(p) for g in self.base_optimizer.param_groups for p in g["params"]}
             self._ungrouped = [(name, p) for name, p in self.model.named_parameters()
-                               if p not in self._param_names]
+                               if id(p) not in grouped]
         return [(name, p.grad) for name, p in self._ungrouped if p.grad is not None]
+
+    def _name_new_grouped(self):
+        """Names for parameters appended to a group since construction, for messages: the
+        model's, or the place in the groups of one that is not the model's."""
+        model_names = None
+        for gi, group in enumerate(self.base_optimizer.param_groups):
+            for j, p in enumerate(group["params"]):
+                if p not in self._param_names:
+                    if model_names is None:
+                        model_names = {id(q): n for n, q in self.model.named_parameters()}
+                    self._param_names[p] = model_names.get(
+                        id(p), f"param_groups[{gi}]['params'][{j}]")
 
     def _add_to_total_norm(self, extra):
         """total grad norm <- hypot(total, ||extra||): a NaN there skips the step, as in the

@@ -21,6 +21,12 @@ from ._reference_dno import (
 CURRENT = object()  # _update_meta_components' default: the current gradients' clip
 
 
+
+def _host_float(loss):
+    """A loss's value on the host: .item() of a tensor, as the reference reads it (float() of a
+    tensor that requires grad warns, an error under -W error)."""
+    return loss.item() if torch.is_tensor(loss) else float(loss)
+
 class MetaLearningMixin:
     def _mark_clipped_gradients(self):
         """The GradientMark of the gradients after a step that clips: the reference clips .grad
@@ -64,14 +70,15 @@ class MetaLearningMixin:
             grad_scale = self._clip_of_current_gradients()
         norms = self._momentum_norms()
         momentum_norm = torch.stack(norms).mean().item() if norms else 0.0
-        self.meta_trainer.record_step(float(loss_value), self._lr_multipliers.clone(),
+        loss_value = _host_float(loss_value)
+        self.meta_trainer.record_step(loss_value, self._lr_multipliers.clone(),
                                       momentum_norm)
         stats = self._group_stats(grad_scale)
         with torch.enable_grad():
             self.meta_optimizer.zero_grad()
             proposed = self.controller(stats)
             controller_loss = self.meta_trainer.compute_proxy_loss(proposed)
-            mlp_loss = self._mlp_proxy_loss(float(loss_value), grad_scale)
+            mlp_loss = self._mlp_proxy_loss(loss_value, grad_scale)
             total = controller_loss + mlp_loss
             total.backward()
         meta_params = list(self.momentum_mlp.parameters()) + list(self.controller.parameters())
@@ -94,6 +101,6 @@ class MetaLearningMixin:
                          for k, v in val_batch.items()}
         with torch.enable_grad():
             val_loss = loss_fn(self.model, val_batch)
-        val_loss = float(val_loss)
+        val_loss = _host_float(val_loss)
         self.zero_grad(set_to_none=True)
         self._update_meta_components(val_loss, grad_scale=None)

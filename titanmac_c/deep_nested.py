@@ -73,7 +73,7 @@ from ._dno_args import (
     model_device,
 )
 from ._dno_checkpoint import CheckpointMixin
-from ._dno_control import ControlStepMixin, watch_model_edits
+from ._dno_control import ControlStepMixin, GroupWatch, watch_model_edits
 from ._dno_meta import MetaLearningMixin
 from ._step_hooks import has_step_hooks, with_step_hooks
 from ._runtime import Scratch, as_number
@@ -156,6 +156,7 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin, MetaLearningMixin,
         # found at the first step and again after the model is edited
         self._ungrouped = []
         self._model_edits = watch_model_edits() - 1
+        self._group_watch = GroupWatch()
         self.base_optimizer = AdamW(groups, lr=self.base_lr, weight_decay=self.weight_decay)
         if self.use_preprocessing:
             mlp = DirectUpdateMLP(hidden_dim=min(self.momentum_hidden_dim, DIRECT_MLP_MAX_HIDDEN),
@@ -260,6 +261,7 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin, MetaLearningMixin,
     def step(self, loss_value=None):
         """One step. loss_value: a float or a 0-d tensor (no .item() needed: a non-finite tensor
         loss is caught on the device). Returns the reference's dict."""
+        self._check_group_count()
         loss = self._take_loss(loss_value)
         t = self.global_step + 1
         if not isinstance(loss, torch.Tensor) and not math.isfinite(loss):
@@ -304,7 +306,7 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin, MetaLearningMixin,
                 clipped = self._coef if self.max_grad_norm > 0 and not self._clipped_in_place \
                     else None
                 with prof.step_range(prof.META):
-                    self._update_meta_components(float(loss), clipped)
+                    self._update_meta_components(loss, clipped)
         result = {"global_step": t, "lr_multipliers": self._lr_multipliers.clone(),
                   "ema_loss": self.ema_loss.clone()}
         if self._last_surrogate_loss is not None:
@@ -327,7 +329,10 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin, MetaLearningMixin,
                 raise ValueError(f"loss_value: a {loss.dtype} tensor on {loss.device}: expected "
                                  "a real value")
             return loss
-        return as_number("loss_value", loss, "a number or a one-element tensor")
+        try:
+            return as_number("loss_value", loss, "a number or a one-element tensor")
+        except ValueError as err:  # a string, a list, a complex: the wrong type (the reference's
+            raise TypeError(str(err)) from None  # float() of it raises TypeError too)
 
     def _eager_step(self, t, update, check_loss):
         with prof.step_range(prof.STATS):

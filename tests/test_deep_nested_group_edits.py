@@ -1,0 +1,142 @@
+"""DeepNestedOptimizer when the user edits base_optimizer's groups after construction: a
+parameter frozen at construction, unfrozen later and appended to a group's 'params' list (the
+way to start training it; add_param_group makes a third group, which the controller cannot
+serve) counts once in the clip norm, as the reference counts each model parameter once, and is
+named in messages by its model name. Also the host reads of the meta-update (no warning for a
+loss that requires grad) and the type of a bad loss argument."""
+
+import warnings
+
+import pytest
+import torch
+
+import titanmac_c
+from conftest import DEVICES, reference_and_ours
+from dno_models import loss_fn, make_mlp_10_32_5, synthetic_batches
+
+MODES = [dict(), dict(use_cms_updates=True), dict(use_cms_updates=True, use_preprocessing=False)]
+MODE_IDS = ["adamw", "cms-direct", "cms-legacy"]
+
+
+class TwoLayers(torch.nn.Module):
+    """Two linear layers, the second frozen at construction."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.late = torch.nn.Linear(8, 8)
+        self.late.requires_grad_(False)
+
+
+def _set_grads(model, step):
+    """Pseudo-random gradients, the late layer's large: its norm dominates the clip norm, so
+    counting it twice (or not at all) changes every update."""
+    gen = torch.Generator().manual_seed(900 + step)
+    for name, p in model.named_parameters():
+        g = torch.randn(p.shape, generator=gen)
+        p.grad = (g * 10 if name.startswith("late") else g).to(p.device)
+
+
+def _append_late_layer(model, opt):
+    """Unfreeze the late layer and append its parameters to the group of lin's (core)."""
+    model.late.requires_grad_(True)
+    group = next(g for g in opt.base_optimizer.param_groups
+                 if any(p is model.lin.weight for p in g["params"]))
+    group["params"].extend([model.late.weight, model.late.bias])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_parameter_appended_to_a_group_counts_once_in_the_clip_norm(device):
+    """Appended after 3 steps (so AdamW's cached plan and the list of parameters outside the
+    groups exist): from then on it is stepped, and the clip norm counts its gradient once, as
+    the reference's clip over model.parameters() does; 12 more steps agree with the
+    reference's, element by element."""
+    torch.manual_seed(0)
+    (model_r, ref), (model_o, ours) = reference_and_ours(TwoLayers().to(device),
+                                                         max_grad_norm=1.0)
+    for step in range(1, 16):
+        if step == 4:
+            for model, opt in ((model_r, ref), (model_o, ours)):
+                _append_late_layer(model, opt)
+        for model, opt in ((model_r, ref), (model_o, ours)):
+            _set_grads(model, step)
+            opt.step(0.5)
+        for (name, pr), po in zip(model_r.named_parameters(), model_o.parameters()):
+            torch.testing.assert_close(po.detach(), pr.detach(), rtol=2e-5, atol=1e-7,
+                                       msg=lambda m: f"step {step} {name}: {m}")
+    late_total = sum(float(p.grad.norm()) ** 2 for p in model_o.late.parameters()) ** 0.5
+    assert float(ours._norms[-1]) < 1.01 * (late_total ** 2 + sum(
+        float(p.grad.norm()) ** 2 for p in model_o.lin.parameters())) ** 0.5
+
+
+@pytest.mark.parametrize("kw, own_memory, match", [
+    (MODES[0], True,
+     r"^grads\[\d+\]: shares memory with params\[\d+\] \(parameter 'late.weight'\)"),
+    (MODES[1], False, r"^parameter 'late.weight': no CMS state \(appended to a group after"),
+    (MODES[2], False, r"^parameter 'late.weight': no CMS state \(appended to a group after"),
+], ids=["adamw-refusal-named", "cms-direct-no-state", "cms-legacy-no-state"])
+def test_an_appended_parameter_is_named_in_errors(kw, own_memory, match):
+    """A refusal about an appended parameter names it by its model name (the names were those
+    of construction: naming failed with a KeyError of the tensor's repr). CMS mode keeps the
+    state of the parameters it was built with (the reference fails with a KeyError on an
+    appended one): refused, on a Phase 1 step and on another. Nothing changes either way."""
+    for steps_before in (2, 4):  # step 5 is a Phase 1 step (mlp_train_freq 5)
+        torch.manual_seed(0)
+        model = TwoLayers()
+        opt = titanmac_c.DeepNestedOptimizer(model, **kw)
+        for step in range(1, steps_before + 1):
+            _set_grads(model, step)
+            opt.step(0.5)
+        _append_late_layer(model, opt)
+        _set_grads(model, steps_before + 1)
+        if own_memory:
+            model.late.weight.grad = model.late.weight.detach()  # the parameter's own memory
+        before = [p.detach().clone() for p in model.parameters()]
+        multipliers = opt._lr_multipliers.clone()
+        with pytest.raises(ValueError, match=match):
+            opt.step(0.5)
+        assert opt.global_step == steps_before
+        assert torch.equal(opt._lr_multipliers, multipliers)
+        for p, b in zip(model.parameters(), before):
+            assert torch.equal(p.detach(), b)
+
+
+def test_a_third_group_is_refused_before_anything_changes():
+    """base_optimizer.add_param_group() makes a third group; the controller sets two learning
+    rates. Refused with a message that says what to do, nothing changed (the C core's
+    'group_of[4] = 2' was lost behind a KeyError)."""
+    torch.manual_seed(0)
+    model = TwoLayers()
+    opt = titanmac_c.DeepNestedOptimizer(model)
+    _set_grads(model, 1)
+    opt.step(0.5)
+    model.late.requires_grad_(True)
+    opt.base_optimizer.add_param_group({"params": list(model.late.parameters())})
+    _set_grads(model, 2)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"^base_optimizer.param_groups: 3 groups, where the "
+                                         r"controller sets the learning rates of 2 .*append"):
+        opt.step(0.5)
+    assert opt.global_step == 1
+    for p, b in zip(model.parameters(), before):
+        assert torch.equal(p.detach(), b)
+
+
+def test_meta_update_reads_a_loss_that_requires_grad_without_a_warning():
+    """meta_update() reads the validation loss as the reference does (.item()): float() of a
+    tensor that requires grad warns, an error under -W error. The controllers agree after."""
+    (model_r, ref), (model_o, ours) = reference_and_ours(make_mlp_10_32_5(seed=0))
+    batches = synthetic_batches("mlp", 4)
+    for model, opt in ((model_r, ref), (model_o, ours)):
+        for batch in batches[:3]:
+            opt.zero_grad()
+            loss = loss_fn(model, batch)
+            loss.backward()
+            opt.step(loss.detach())
+    assert loss_fn(model_o, batches[3]).requires_grad
+    ref.meta_update(batches[3], use_unrolled=False, loss_fn=loss_fn)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ours.meta_update(batches[3], use_unrolled=False, loss_fn=loss_fn)
+    for (name, pr), po in zip(ref.controller.named_parameters(), ours.controller.parameters()):
+        torch.testing.assert_close(po.detach(), pr.detach(), rtol=1e-5, atol=1e-7, msg=name)
