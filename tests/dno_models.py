@@ -161,6 +161,21 @@ class TitanMACLike(nn.Module):
         return self.lm_head(x)
 
 
+# the DeepNestedOptimizer's three modes: AdamW, CMS with the DirectUpdateMLP, CMS legacy
+MODES = [dict(), dict(use_cms_updates=True), dict(use_cms_updates=True, use_preprocessing=False)]
+MODE_IDS = ["adamw", "cms-direct", "cms-legacy"]
+
+
+class PartlyFrozen(nn.Module):
+    """Two linear layers, the second frozen at construction."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.frozen = nn.Linear(8, 8)
+        self.frozen.requires_grad_(False)
+
+
 def make_titanmac_like_model(seed=0):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

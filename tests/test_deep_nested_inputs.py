@@ -18,20 +18,9 @@ import torch
 import titanmac_c
 from titanmac_c._reference_dno import ReferenceDeepNestedOptimizer
 from conftest import DEVICES, reference_and_ours
-from dno_models import loss_fn, make_mlp_10_32_5, synthetic_batches
+from dno_models import (MODE_IDS, MODES, PartlyFrozen, loss_fn, make_mlp_10_32_5,
+                        synthetic_batches)
 
-MODES = [dict(), dict(use_cms_updates=True), dict(use_cms_updates=True, use_preprocessing=False)]
-MODE_IDS = ["adamw", "cms-direct", "cms-legacy"]
-
-
-class PartlyFrozen(torch.nn.Module):
-    """Two linear layers, the second frozen at construction."""
-
-    def __init__(self):
-        super().__init__()
-        self.lin = torch.nn.Linear(8, 8)
-        self.frozen = torch.nn.Linear(8, 8)
-        self.frozen.requires_grad_(False)
 
 
 def _grads(model, step, frozen_scale=10.0):
