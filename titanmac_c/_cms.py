@@ -230,7 +230,6 @@ class CMSModeMixin:
     def _cms_phase2(self, t, check_only=False):
         """Spec 7.2 Phase 2 for every grouped tensor with a gradient: one tm_cms_step call.
         check_only: the call's checks alone (tm_cms_check), nothing run or written."""
-        cms = self._cms
         grads, params, group_of, _ = self._gather(with_params=True)
         if not params:
             return

@@ -4,12 +4,12 @@ call, then tm_dno_control (loss EMA, NestedController, learning rates, clip coef
 predicate) on the device. Every tensor list comes from AdamW's cached plan in the steady state.
 """
 
-import operator
 import re
 
 import torch
 
 from . import _C
+from ._flat import groups_snapshot, same_groups
 from ._reference_dno import EMA_LOSS_BETA, MAX_LR_MULT, MIN_LR_MULT, N_GROUPS
 from ._runtime import call_dense, exec_kwargs, norms_scratch, reraise_with_names
 from .functional import _real_views
@@ -57,7 +57,8 @@ def watch_model_edits():
 class GroupWatch:
     """The base optimizer's groups as last seen, to tell when a parameter was appended to,
     removed from or replaced in one since (which model parameters lie outside the groups
-    follows such edits). Copies and pickles start unseen: the next look rebuilds."""
+    follows such edits; an amsgrad flag switched counts too, harmlessly). Copies and pickles
+    start unseen: the next look rebuilds."""
 
     __slots__ = ("seen", "plan")
 
@@ -70,17 +71,14 @@ class GroupWatch:
     def changed(self, optimizer, planned):
         """Whether the groups differ from those of the last call. planned: AdamW's cached plan
         matched the groups in this step (so when it is the plan of the last call, they are as
-        then, at no cost; else the groups are compared parameter by parameter, C-level maps)."""
+        then, at no cost; else the groups are compared as the plan compares them)."""
         plan = optimizer._plan if planned else None
         if plan is not None and plan is self.plan:
             return False
-        groups, seen = optimizer.param_groups, self.seen
-        same = seen is not None and len(groups) == len(seen) and all(
-            group is built and group["params"] is listed and len(listed) == len(params)
-            and all(map(operator.is_, listed, params))
-            for group, (built, listed, params) in zip(groups, seen))
+        groups = optimizer.param_groups
+        same = self.seen is not None and same_groups(groups, self.seen)
         if not same:
-            self.seen = [(g, g["params"], list(g["params"])) for g in groups]
+            self.seen = groups_snapshot(groups)
         self.plan = plan
         return not same
 

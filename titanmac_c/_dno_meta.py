@@ -21,11 +21,11 @@ from ._reference_dno import (
 CURRENT = object()  # _update_meta_components' default: the current gradients' clip
 
 
-
 def _host_float(loss):
     """A loss's value on the host: .item() of a tensor, as the reference reads it (float() of a
     tensor that requires grad warns, an error under -W error)."""
     return loss.item() if torch.is_tensor(loss) else float(loss)
+
 
 class MetaLearningMixin:
     def _mark_clipped_gradients(self):

@@ -215,6 +215,26 @@ class Batch:
                 raise ValueError(f"{name}: step must be a float32 scalar on {p.device}")
 
 
+def groups_snapshot(groups):
+    """What same_groups compares against: each group dict, its 'params' list object, a copy of
+    that list and its amsgrad flag."""
+    return [(g, g["params"], list(g["params"]), bool(g["amsgrad"])) for g in groups]
+
+
+def same_groups(groups, snapshot):
+    """Whether param groups are still those of a groups_snapshot: the same dicts holding the
+    same list objects of the same parameters (by identity, C-level maps) and amsgrad flags."""
+    if len(groups) != len(snapshot):
+        return False
+    for group, (built, listed, params, amsgrad) in zip(groups, snapshot):
+        current = group["params"]
+        if (group is not built or current is not listed or len(current) != len(params)
+                or bool(group["amsgrad"]) != amsgrad
+                or not all(map(operator.is_, current, params))):
+            return False
+    return True
+
+
 class Plan:
     """The Batch of a steady-state step, kept between steps: one device, every parameter with a
     gradient and a state. A step then re-reads the gradients and the state tensors (either may
@@ -246,21 +266,11 @@ class Plan:
         order = tuple(position[id(p)] for p in self.owners)
         # None: the dict holds exactly the batch's parameters, in batch order (the usual case)
         self.order = None if order == tuple(range(len(self.keys))) else order
-        self.groups = [(g, g["params"], list(g["params"]), bool(g["amsgrad"]))
-                       for g in optimizer.param_groups]
+        self.groups = groups_snapshot(optimizer.param_groups)
 
     def matches(self, optimizer):
-        groups = optimizer.param_groups
-        if (optimizer.state is not self.state or len(self.state) != len(self.keys)
-                or len(groups) != len(self.groups)):
-            return False
-        for group, (built, listed, params, amsgrad) in zip(groups, self.groups):
-            current = group["params"]
-            if (group is not built or current is not listed or len(current) != len(params)
-                    or bool(group["amsgrad"]) != amsgrad
-                    or not all(map(operator.is_, current, params))):
-                return False
-        return True
+        return (optimizer.state is self.state and len(self.state) == len(self.keys)
+                and same_groups(optimizer.param_groups, self.groups))
 
     @functools.cached_property
     def norm_dtype(self):
