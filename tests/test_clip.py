@@ -176,6 +176,22 @@ def test_norm_type_given_as_a_string_like_torch(norm_type):
                                torch.nn.utils.get_total_norm(grads, norm_type), **_norm_tol(1.5))
 
 
+@pytest.mark.parametrize("max_norm", ["0.5", "inf"])
+def test_max_norm_given_as_a_string_like_torch(max_norm):
+    """torch's clip_grad_norm_ takes float(max_norm) too."""
+    params_a, params_b = _pair("cpu")
+    ours = titanmac_c.clip_grad_norm_(params_a, max_norm)
+    theirs = torch.nn.utils.clip_grad_norm_(params_b, max_norm)
+    torch.testing.assert_close(ours, theirs, **_norm_tol(2.0))
+    _assert_grads(params_a, params_b)
+    opt = titanmac_c.AdamW(params_a)
+    torch.testing.assert_close(opt.clip_grad_norm_(max_norm),
+                               torch.nn.utils.get_total_norm([p.grad for p in params_a]),
+                               **_norm_tol(2.0))
+    with pytest.raises(ValueError, match=r"^max_norm = 'half': expected a number$"):
+        titanmac_c.clip_grad_norm_(params_a, "half")
+
+
 @pytest.mark.parametrize("norm_type", [0.0, -1.0, -math.inf, math.nan, "-inf", "nan"])
 def test_unsupported_norm_types_raise(norm_type):
     p = torch.nn.Parameter(torch.ones(3))

@@ -59,13 +59,19 @@ def _raise_if_nonfinite(total, norm_type):
         raise RuntimeError(_NONFINITE_MESSAGE.format(norm_type))
 
 
-def _check_norm_type(norm_type) -> float:
-    if isinstance(norm_type, str):  # torch takes float(norm_type): its docs name 'inf'
+def _as_parsed_number(name, value) -> float:
+    """as_number, but a string is parsed as torch's clip_grad_norm_ parses its max_norm and
+    norm_type (float(); its docs name 'inf')."""
+    if isinstance(value, str):
         try:
-            norm_type = float(norm_type)
+            return float(value)
         except ValueError:
-            raise ValueError(f"norm_type = {norm_type!r}: expected a number") from None
-    norm_type = as_number("norm_type", norm_type)
+            raise ValueError(f"{name} = {value!r}: expected a number") from None
+    return as_number(name, value)
+
+
+def _check_norm_type(norm_type) -> float:
+    norm_type = _as_parsed_number("norm_type", norm_type)
     if not (norm_type > 0.0):
         raise ValueError(f"norm_type = {norm_type}: titanmac_c supports p > 0 and inf")
     return norm_type
@@ -73,7 +79,7 @@ def _check_norm_type(norm_type) -> float:
 
 def _check_max_norm(max_norm) -> float:
     """>= 0; inf is torch's idiom for measuring without clipping (the coefficient is then 1)."""
-    max_norm = as_number("max_norm", max_norm)
+    max_norm = _as_parsed_number("max_norm", max_norm)
     if not max_norm >= 0.0:
         raise ValueError(f"max_norm = {max_norm}: must be >= 0 (inf: no clipping)")
     return max_norm
