@@ -15,6 +15,9 @@ double):
   params fp32                          |d| <= 1e-6 * max|p| + 1e-6 * |ref|   (a few ulps)
   params bf16                          one bf16 rounding of max(|old|, |new|) per step (our params
                                        are reset to the reference's after each comparison)
+  params fp64                          the step p' - p within 1e-5 of itself + 1e-6 of the largest
+                                       step + 2 ulps of p (buffers and update are float32, as the
+                                       reference's; the float32 rate, lr rounded, is 6e-8 of it)
 NaN positions must match exactly.
 """
 
@@ -158,12 +161,26 @@ def close_bf16(ours, ref, old, what):
     assert not bad.any(), f"{what}: {int(bad.sum())} elements off by more than two roundings"
 
 
+def close_f64_step(ours, ref, old, what):
+    """float64 params: the step (p' - p, exact in double) within 1e-5 of the reference's, plus
+    1e-6 of the tensor's largest step (a step that cancels to nearly 0 keeps the float32 roundings
+    of its terms), plus 2 ulps of p (the rounding of p + (-lr) u)."""
+    ours, ref, old = (x.detach().reshape(-1).cpu() for x in (ours, ref, old))
+    ulp = torch.nextafter(old.abs(), torch.tensor(torch.inf, dtype=old.dtype)) - old.abs()
+    step = (ref - old).abs()
+    tol = 1e-5 * step + 1e-6 * step.max() + 2 * ulp
+    bad = (ours - ref).abs() > tol
+    assert not bad.any(), f"{what}: {int(bad.sum())} elements off, max {(ours - ref).abs().max()}"
+
+
 def assert_matches(ours, ref, params, device, dtype, old):
     """old: (params, momenta[level][tensor]) before the step."""
     exact = device == "cpu"
     for i, p in enumerate(params):
         if dtype == torch.float32:
             close(ours.params[i], p.detach(), 1e-6, 1e-6, f"params[{i}]", old[0][i])
+        elif dtype == torch.float64:
+            close_f64_step(ours.params[i], p, old[0][i], f"params[{i}]")
         else:
             close_bf16(ours.params[i], p.detach(), old[0][i], f"params[{i}]")
         for l, lvl in enumerate(ref.state[p].levels):
@@ -196,7 +213,7 @@ def run_case(device, net, freqs, wd, dtype, coefs=(0.75, None, 0.5, 1.0), lrs=LR
 @pytest.mark.parametrize("net", ["direct", "legacy"])
 @pytest.mark.parametrize("freqs", [(1, 10, 100), (1, 5, 50)])
 @pytest.mark.parametrize("wd", [0.0, 0.01])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_steps_match_reference(device, net, freqs, wd, dtype):
     run_case(device, net, freqs, wd, dtype)
 
@@ -406,7 +423,7 @@ def test_cpu_bits_do_not_depend_on_isa_or_threads(net):
 
 @pytest.mark.skipif(not CUDA, reason="no CUDA device or backend")
 @pytest.mark.parametrize("net", ["direct", "legacy"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_cpu_and_cuda_agree(net, dtype):
     """Both backends run the element math of tm_cms_math.h: DIRECT gives the same bits (its
     per-tensor sums, summed in other orders, only decide the clamp, inactive here); LEGACY's
@@ -427,7 +444,7 @@ def test_cpu_and_cuda_agree(net, dtype):
     n = sum(p.numel() for p in params)  # the params come first
     close(results["cuda"][n:], results["cpu"][n:], 2e-5, 1e-5, "state", floor=1e-7)
     cpu, cuda = results["cpu"][:n], results["cuda"][:n]
-    if dtype == torch.float32:
+    if dtype != torch.bfloat16:
         # a few ulps of p' plus 1e-4 of the largest move p' - p (the state's tolerance above,
         # 2e-5 of the largest momentum, 5 times: lr v is a sum of momenta); 2^-6 |p| would pass
         # params that CUDA never updated (|p' - p| = lr |v| is about 1e-2 |p|). A CPU stand-in

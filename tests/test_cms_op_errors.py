@@ -72,13 +72,6 @@ def _state_count(args, kw):
     return ValueError, "v_sq\\[2\\]: 3 tensors, params has 4"
 
 
-def _params_float64(args, kw):
-    # the CMS loops compute in float32 (the AdamW and norm ops take float64)
-    args["params"][2], args["grads"][2] = (t.double() for t in (args["params"][2], args["grads"][2]))
-    return BufferError, ("params\\[2\\]: dtype float64 is not supported by the CMS update "
-                         "\\(float32, float16, bfloat16\\)")
-
-
 def _grad_dtype(args, kw):
     args["grads"][0] = args["grads"][0].bfloat16()
     return ValueError, "grads\\[0\\]: dtype bfloat16 does not match params\\[0\\] dtype float32"
@@ -214,7 +207,7 @@ KEYWORD_CASES = [
 ]
 
 
-CASES = [_state_numel, _state_dtype, _state_count, _params_float64, _grad_dtype, _steps_numel,
+CASES = [_state_numel, _state_dtype, _state_count, _grad_dtype, _steps_numel,
          _weights_count, _weights_numel, _levels_mismatch, _too_many_levels, _group_of, _alias,
          _params_overlap, _lr_dtype, _scratch, _scratch_in_a_state_tensor, _vsq_dtype,
          _accumulated_empty, _alias_index0, _grads_alias_params] + KEYWORD_CASES

@@ -35,11 +35,28 @@ def _deep_mlp(seed=0, hidden_layers=10):
 @pytest.mark.parametrize("freqs", [[1, 10, 100], [1, 5, 50]], ids=["f1-10-100", "f1-5-50"])
 @pytest.mark.parametrize("wd", [0.0, 0.01], ids=["wd0", "wd0.01"])
 def test_cms_parity_250_steps(device, preprocessing, freqs, wd):
+    _parity_250_steps(device, preprocessing, freqs, wd)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("preprocessing", [True, False], ids=["direct", "legacy"])
+def test_a_float64_model_matches_the_reference_250_steps(device, preprocessing):
+    """The reference trains float64 models with float32 buffers and a float32 update; only the
+    accumulate (the float64 gradient added in double, rounded into the buffer) and the parameter
+    step (in double) see float64, and ours computes those two the same way (tm_cms_math.h)."""
+    model_o = _parity_250_steps(device, preprocessing, [1, 5, 50], 0.01, torch.float64)
+    assert all(p.dtype == torch.float64 for p in model_o.parameters())
+
+
+def _parity_250_steps(device, preprocessing, freqs, wd, dtype=torch.float32):
+    """Reference and ours over 250 steps, compared after each (the direct network resynced
+    before each step, see cms_checks); returns our model."""
     steps = 250
     (model_r, ref), (model_o, ours) = cms_pair(
-        device, cms_frequencies=freqs, use_preprocessing=preprocessing, weight_decay=wd,
-        meta_update_freq=50)
-    batches = synthetic_batches("mlp", steps, seed=7, device=device)
+        device, model=make_mlp_10_32_5(seed=0).to(dtype), cms_frequencies=freqs,
+        use_preprocessing=preprocessing, weight_decay=wd, meta_update_freq=50)
+    batches = [{k: v.to(dtype) for k, v in batch.items()}
+               for batch in synthetic_batches("mlp", steps, seed=7, device=device)]
     for step, batch in enumerate(batches, start=1):
         before = None
         if preprocessing:
@@ -52,6 +69,7 @@ def test_cms_parity_250_steps(device, preprocessing, freqs, wd):
         else:
             assert set(res_o) == set(res_r), step
         compare_cms(ref, ours, model_r, model_o, step, before)
+    return model_o
 
 
 @pytest.mark.parametrize("freqs", [[1, 10, 100], [1, 5, 50]], ids=["f1-10-100", "f1-5-50"])

@@ -1,7 +1,7 @@
 """DeepNestedOptimizer on the inputs a swap meets beyond the plain case: a parameter frozen when
 the optimizer was built and unfrozen later (its gradient counts in the reference's clip norm,
 spec 8), checkpoints of a reference built with use_compile=True, numpy integers as
-hyperparameters, and what the C core cannot take (sparse gradients, CMS mode's float64 or
+hyperparameters, and what the C core cannot take (sparse gradients, CMS mode's complex or
 non-contiguous parameters and gradients, a state that no longer fits): refused with the
 parameter's name, before anything changes. The layouts AdamW mode takes:
 tests/test_deep_nested_layouts.py.
@@ -329,9 +329,16 @@ def _with_a_strided_weight():
     return model
 
 
+def _with_a_complex_weight():
+    """The MLP with its first weight complex64 (set directly: Module.to(complex) warns)."""
+    model = make_mlp_10_32_5(seed=0)
+    model[0].weight = torch.nn.Parameter(model[0].weight.detach().to(torch.complex64))
+    return model
+
+
 @pytest.mark.parametrize("make, match", [
-    (lambda: make_mlp_10_32_5(seed=0).double(),
-     r"parameter '0.weight': dtype torch.float64 is not supported"),
+    (_with_a_complex_weight,
+     r"parameter '0.weight': dtype torch.complex64 is not supported"),
     (_with_a_strided_weight, r"parameter '0.weight': not dense in any order"),
 ])
 def test_parameters_the_c_core_cannot_take_are_refused_at_construction(make, match):

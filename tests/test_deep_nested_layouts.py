@@ -1,9 +1,8 @@
-"""DeepNestedOptimizer on what goes beyond contiguous float32: float64 models (AdamW mode),
-channels_last parameters, gradients laid out otherwise than their parameter, a parameter relaid
-out after construction (both modes). The statistics read any layout and the updates take dense
-ones, a parameter's gradient and state in its layout, so these train as the reference trains them
-(with torch ops). CMS mode computes in float32: it refuses float64 models, naming the
-parameter."""
+"""DeepNestedOptimizer on what goes beyond contiguous float32: float64 models (AdamW mode; CMS
+mode's: tests/test_deep_nested_cms.py), channels_last parameters, gradients laid out otherwise
+than their parameter, a parameter relaid out after construction (both modes). The statistics read
+any layout and the updates take dense ones, a parameter's gradient and state in its layout, so
+these train as the reference trains them (with torch ops)."""
 
 import pytest
 import torch
@@ -144,12 +143,6 @@ def test_a_parameter_made_column_major_after_construction_steps_as_the_reference
     assert not model_o[2].weight.is_contiguous()
 
 
-def test_cms_mode_refuses_a_float64_model_at_construction():
-    with pytest.raises(BufferError, match=r"parameter '0.weight': dtype torch.float64 is not "
-                       r"supported \(float32, bfloat16, float16; e.g. model.float\(\)\)"):
-        titanmac_c.DeepNestedOptimizer(make_mlp_10_32_5(seed=0).double(), use_cms_updates=True)
-
-
 def _train_cms_both(model, steps, batch, preprocessing, cpu_path=True, edit=None,
                     edit_grads=None):
     """CMS mode, reference and ours from the same state over `steps` steps (levels firing every
@@ -198,6 +191,21 @@ def test_cms_mode_trains_a_channels_last_model_as_the_reference(device, preproce
     if preprocessing:
         history = ours._mlp_output_history[ours._cms.index[weight]]
         assert history.is_contiguous(memory_format=torch.channels_last)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@CMS_NETS
+@PHASE1_PATHS
+def test_cms_mode_trains_a_float64_model_as_the_reference(device, preprocessing, cpu_path):
+    """Its buffers and update are float32 as the reference's; the gradient's accumulate and the
+    parameter step are in double (250 steps: tests/test_deep_nested_cms.py). Here with the
+    Phase 1 steps and meta-updates of _train_cms_both, both Phase 1 paths."""
+    model = make_mlp_10_32_5(seed=0).double().to(device)
+    model_o, ours = _train_cms_both(model, 12, _vectors(device, torch.float64), preprocessing,
+                                    cpu_path=cpu_path and device == "cpu")
+    assert all(p.dtype == torch.float64 for p in model_o.parameters())
+    for level in ours.state[model_o[0].weight].levels:
+        assert level.momentum.dtype == torch.float32
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -41,8 +41,8 @@ MLP_STEP_TOL = dict(rtol=0, atol=1e-3 * 1e-3)
 FREQS = [1, 3, 7]
 
 
-def _opt(**kw):
-    model = make_mlp_10_32_5(seed=0)
+def _opt(dtype=torch.float32, **kw):
+    model = make_mlp_10_32_5(seed=0).to(dtype)
     return model, titanmac_c.DeepNestedOptimizer(model, use_cms_updates=True,
                                                  fix_reference_bugs=True, **kw)
 
@@ -244,14 +244,18 @@ def test_corrected_direct_network_step_by_step(freqs):
         _compare(ref, ours, model_r, model_o, step)
 
 
-def test_b1_phase1_in_the_c_core_trains_like_the_torch_ops():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_b1_phase1_in_the_c_core_trains_like_the_torch_ops(dtype):
     """With the fix Phase 1's target is the clipped gradient (the normed path, the cosine term
     active). From one state (a deep copy before each step: the DirectUpdateMLP dynamics would
     amplify rounding, spec 7), the CPU's Phase 1 (tm_cms_surrogate) and CUDA's (its algorithm
     in torch ops, run here on the CPU) move the MLP alike: every weight within 1e-3 of the Adam
-    step size (lr 1e-3), the surrogate losses within 1e-5; the loss is the spec's."""
-    model, opt = _opt(max_grad_norm=0.5)
-    for step, batch in enumerate(synthetic_batches("mlp", 15, seed=4), start=1):
+    step size (lr 1e-3), the surrogate losses within 1e-5; the loss is the spec's. A float64
+    model's gradients are read as float32 (the MLP's .float())."""
+    model, opt = _opt(dtype, max_grad_norm=0.5)
+    batches = [{k: v.to(dtype) for k, v in b.items()}
+               for b in synthetic_batches("mlp", 15, seed=4)]
+    for step, batch in enumerate(batches, start=1):
         model_b, opt_b = copy.deepcopy((model, opt))
         opt_b._phase1_cpu_path = False
         before = (copy.deepcopy(opt.momentum_mlp),
@@ -271,7 +275,8 @@ def test_b1_phase1_in_the_c_core_trains_like_the_torch_ops():
                 compute_surrogate_loss(mlp(p.grad * opt._coef, m), p.grad * opt._coef,
                                        history.get(opt._cms.index[p]))
                 for p, m in zip(model.parameters(), moms)]).mean()
-            torch.testing.assert_close(results[0]["surrogate_loss"], expected, rtol=1e-5, atol=0)
+            torch.testing.assert_close(results[0]["surrogate_loss"], expected.float(), rtol=1e-5,
+                                       atol=0)
             for (name, wa), wb in zip(opt.momentum_mlp.named_parameters(),
                                       opt_b.momentum_mlp.parameters()):
                 torch.testing.assert_close(wa, wb, rtol=0, atol=1e-6,

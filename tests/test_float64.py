@@ -1,8 +1,9 @@
 """float64 parameters (scientific models, gradient checks): AdamW, clipping and the norms compute
 them in double, as torch does, element by element against torch over 20 steps; float64 mixed with
-float32 in one optimizer; checkpoints both ways (tests/test_complex.py, with complex128 ones); the
-DeepNestedOptimizer's CMS mode, which computes in float32, refuses float64 by name (the CMS op's
-refusal: tests/test_cms_op_errors.py; AdamW mode trains them: tests/test_deep_nested_layouts.py)."""
+float32 in one optimizer; checkpoints both ways (tests/test_complex.py, with complex128 ones). The
+DeepNestedOptimizer trains float64 models in both modes (AdamW mode:
+tests/test_deep_nested_layouts.py; CMS mode, whose buffers and update are float32 as the
+reference's: tests/test_deep_nested_cms.py and, op by op, tests/test_cms_op.py)."""
 
 import pytest
 import torch
@@ -115,11 +116,13 @@ def test_group_norms_in_double():
     assert float(titanmac_c.group_norms(grads).nonfinite) == 1.0
 
 
-def test_deep_nested_optimizer_refuses_float64_in_cms_mode():
-    """AdamW mode trains float64 models (tests/test_deep_nested_layouts.py); CMS mode computes its
-    state in float32."""
-    model = torch.nn.Linear(4, 3).double()
-    with pytest.raises(BufferError, match=r"parameter 'weight': dtype torch.float64 is not "
-                                          r"supported .*AdamW mode also trains float64"):
+def test_deep_nested_optimizer_refuses_complex_in_cms_mode():
+    """Both modes train float64 models (tests/test_deep_nested_layouts.py,
+    test_deep_nested_cms.py); CMS mode refuses complex ones, which fail the reference's CMS
+    update too (a complex gradient added into its float32 buffers)."""
+    model = torch.nn.Linear(4, 3)
+    model.weight = torch.nn.Parameter(model.weight.detach().to(torch.complex64))
+    with pytest.raises(BufferError, match=r"parameter 'weight': dtype torch.complex64 is not "
+                                          r"supported .*AdamW mode also trains complex"):
         titanmac_c.DeepNestedOptimizer(model, use_cms_updates=True)
 

@@ -13,9 +13,10 @@ from ._distributed import is_dtensor
 from ._runtime import COMPLEX_DTYPES, SUPPORTED_DTYPES, dense_order
 from ._reference_dno import MAX_LR_MULT
 
-# the CMS update's parameter dtypes (it computes in float32); AdamW mode takes what
-# titanmac_c.AdamW takes: float64 and complex too
-DNO_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# the CMS update's parameter dtypes (its buffers and update are float32, as the reference's, for
+# every model); AdamW mode takes what titanmac_c.AdamW takes: complex too. A complex model fails
+# the reference's CMS update (a complex gradient added into a float32 buffer)
+DNO_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 ADAMW_MODE_DTYPES = SUPPORTED_DTYPES + COMPLEX_DTYPES
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
@@ -117,15 +118,16 @@ def model_device(model):
 
 
 def _supported(cms):
-    return "float32, bfloat16, float16" + ("" if cms else ", float64, complex64, complex128")
+    return "float32, bfloat16, float16, float64" + ("" if cms else ", complex64, complex128")
 
 
 def check_grouped(groups, group_names, device, cms):
     """What the C core would refuse at the first step(), refused here with the parameter's name
     (the reference accepts these and trains them with torch ops). AdamW mode takes what
-    titanmac_c.AdamW takes besides: float64 and complex parameters. Both modes take parameters
-    dense in some order (channels_last, transposed: the statistics read any layout, the updates
-    pair a parameter's tensors in its layout); the CMS update computes in float32 math."""
+    titanmac_c.AdamW takes besides: complex parameters. Both modes take parameters dense in
+    some order (channels_last, transposed: the statistics read any layout, the updates pair a
+    parameter's tensors in its layout); the CMS update computes in float32 math, a float64
+    parameter stepped in double as the reference steps it."""
     for group, names in zip(groups, group_names):
         for p, name in zip(group["params"], names):
             if is_dtensor(p):
@@ -136,8 +138,8 @@ def check_grouped(groups, group_names, device, cms):
             if p.dtype not in (DNO_DTYPES if cms else ADAMW_MODE_DTYPES):
                 raise BufferError(f"parameter {name!r}: dtype {p.dtype} is not supported "
                                   f"({_supported(cms)}; e.g. model.float())"
-                                  + ("; AdamW mode also trains float64 and complex models"
-                                     if cms else ""))
+                                  + ("; AdamW mode also trains complex models" if cms
+                                     else ""))
             if p.device != device:
                 raise ValueError(f"parameter {name!r}: on {p.device}, the first parameter on "
                                  f"{device}: the optimizer needs one device")

@@ -305,6 +305,7 @@ typedef struct {
     float mom_keep, mom_take;           /* 0.9, (float)(1 - 0.9) */
     float clamp_ratio;                  /* 100 */
     float weight_decay;
+    double weight_decay_wide;           /* the Python float, for float64 parameters */
     int32_t levels;                     /* K */
     uint32_t fires;                     /* bit l: level l fires at this step */
 } tm_cms_consts;
@@ -327,6 +328,7 @@ tm_cms_consts_make(const tm_cms_args *a)
     c.mom_take = (float)(1.0 - a->momentum_coef);
     c.clamp_ratio = (float)a->clamp_ratio;
     c.weight_decay = (float)a->weight_decay;
+    c.weight_decay_wide = a->weight_decay;
     c.levels = a->levels;
     return c;
 }
@@ -336,6 +338,35 @@ TM_HOST_DEVICE float
 tm_cms_level_grad(float acc, float g, float div)
 {
     return tm_fdiv(tm_fadd(acc, g), div);
+}
+
+/* ---------------------------------------------------------------- float64 parameters ---- */
+
+/* A float64 model's CMS step is the reference's: its buffers and update are float32 as for
+ * every model, and only two operations see the float64 tensors. The accumulate adds the float64
+ * gradient (clipped in double) into the float32 buffer: torch's add_ computes in double and
+ * rounds once. The apply widens the float32 update exactly and steps p in double: p + (-lr)
+ * (u + wd p), torch's add_ with alpha as one FMA, wd p rounded before its add. */
+TM_HOST_DEVICE float
+tm_cms_acc_add_wide(float acc, double g)
+{
+#if defined(__CUDA_ARCH__)
+    return __double2float_rn(__dadd_rn((double)acc, g));
+#else
+    return (float)((double)acc + g);
+#endif
+}
+
+TM_HOST_DEVICE double
+tm_cms_apply_wide(double p, float v, double alpha, double wd, int decay)
+{
+#if defined(__CUDA_ARCH__)
+    const double u = decay ? __dadd_rn((double)v, __dmul_rn(wd, p)) : (double)v;
+    return __fma_rn(alpha, u, p);
+#else
+    const double u = decay ? (double)v + wd * p : (double)v;
+    return fma(alpha, u, p);
+#endif
 }
 
 /* The unconditional updates of a firing level: e and v (spec 7.2 steps 3.2, 3.3). */

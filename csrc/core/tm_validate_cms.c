@@ -103,19 +103,6 @@ check_cms_counts(const tm_role *roles, int n, int32_t levels)
     return TM_OK;
 }
 
-/* The CMS loops compute in float for float32, float16 and bfloat16 tensors; float64 ones (taken
- * by the other ops) are refused by name. */
-static tm_status
-check_not_f64(const tm_tensor_list *l)
-{
-    for (int32_t i = 0; i < l->count; i++) {
-        TM_CHECK(l->tensors[i].dtype != TM_FLOAT64, TM_ERR_BUFFER,
-                 "%s[%d]: dtype float64 is not supported by the CMS update (float32, float16, "
-                 "bfloat16)", l->name, (int)i);
-    }
-    return TM_OK;
-}
-
 static tm_status
 check_cms_state(const tm_role *roles, int32_t k)
 {
@@ -237,7 +224,6 @@ tm_validate_cms(const tm_cms_tensors *t, const tm_cms_args *args, const tm_cms_i
     TM_TRY(check_cms_sizes(args, &roles[n - CMS_TAIL + CMS_WEIGHTS].list));
     TM_TRY(check_cms_counts(roles, n, args->levels));
     TM_TRY(tm_roles_check(roles, n, ref));
-    TM_TRY(check_not_f64(&roles[CMS_PARAMS].list)); /* grads: the params' dtype (MATCH) */
     TM_TRY(check_cms_state(roles, args->levels));
     TM_TRY(check_cms_weights(&roles[n - CMS_TAIL + CMS_WEIGHTS].list, args));
     TM_TRY(check_cms_hparams(args));
@@ -293,7 +279,6 @@ tm_validate_cms_surrogate(const tm_cms_surrogate_tensors *t, const tm_cms_surrog
     TM_TRY(tm_check_count(&roles[SUR_OUTPUTS].list, t->targets.count, "targets"));
     TM_TRY(tm_check_count(wg, w->count, w->name));
     TM_TRY(tm_roles_check(roles, SUR_ROLES, ref));
-    TM_TRY(check_not_f64(&roles[SUR_TARGETS].list));
     TM_TRY(check_f32_list(&roles[SUR_MOMENTUM].list));
     TM_TRY(check_f32_list(&roles[SUR_OUTPUTS].list));
     TM_TRY(check_cms_weights(w, &net));

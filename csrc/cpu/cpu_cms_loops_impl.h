@@ -30,6 +30,24 @@ cms_grad(const cpu_cms_block *b, int64_t i, tm_dtype dt)
     return cms_round(load_elem(b->g, i, dt) * b->grad_scale, dt);
 }
 
+/* A + g, the accumulator plus the clipped gradient as the reference's add_ rounds it into the
+ * float32 buffer (a float64 gradient: clipped and added in double, rounded once). */
+CPU_INLINE float
+cms_acc_grad(const cpu_cms_block *b, float acc, int64_t i, tm_dtype dt)
+{
+    if (dt == TM_FLOAT64) {
+        return tm_cms_acc_add_wide(acc, ((const double *)b->g)[i] * (double)b->grad_scale);
+    }
+    return tm_fadd(acc, cms_grad(b, i, dt));
+}
+
+/* g^ of element i at level l: (A_l + g) / div_l, the accumulate, then the clone's division. */
+CPU_INLINE float
+cms_level_grad(const cpu_cms_block *b, int l, int64_t i, tm_dtype dt)
+{
+    return tm_fdiv(cms_acc_grad(b, b->acc[l][i], i, dt), b->c->div[l]);
+}
+
 CPU_INLINE double
 cms_join(const double *acc)
 {
@@ -65,12 +83,12 @@ cms_ema_elem(const cpu_cms_block *b, int l, int64_t i, float gh)
 CPU_INLINE void
 cms_tile_inputs(const cpu_cms_block *b, int l, int64_t s, tm_dtype dt, cms_tile *t)
 {
-    float *restrict acc = b->acc[l] + s;
+    const float *restrict acc = b->acc[l] + s;
     const float *restrict m = b->m[l] + s;
     const float div = b->c->div[l];
     TM_SIMD
     for (int e = 0; e < CMS_TILE; e++) {
-        const float gh = tm_cms_level_grad(acc[e], cms_grad(b, s + e, dt), div);
+        const float gh = tm_fdiv(cms_acc_grad(b, acc[e], s + e, dt), div);
         t->gh[e] = gh;
         t->m[e] = m[e];
         tm_cms_preprocess(gh, &t->act[0][0][e], &t->act[0][1][e]);
@@ -122,7 +140,7 @@ cms_direct_level(const cpu_cms_block *b, int l, tm_dtype dt, double (*sums)[CPU_
         cms_tile_outputs(b, l, s, &t, sums);
     }
     for (int64_t i = full; i < b->n; i++) {
-        const float gh = tm_cms_level_grad(b->acc[l][i], cms_grad(b, i, dt), b->c->div[l]);
+        const float gh = cms_level_grad(b, l, i, dt);
         cms_ema_elem(b, l, i, gh);
         const float d = tm_cms_direct_delta(b->net, gh, b->m[l][i]);
         const float mp = tm_fadd(tm_fmul(b->c->mom_keep, b->m[l][i]), tm_fmul(b->c->mom_take, d));
@@ -141,7 +159,7 @@ cms_direct_level(const cpu_cms_block *b, int l, tm_dtype dt, double (*sums)[CPU_
 CPU_INLINE float
 cms_legacy_elem(const cpu_cms_block *b, int l, int64_t i, float ca, float cb, tm_dtype dt)
 {
-    const float gh = tm_cms_level_grad(b->acc[l][i], cms_grad(b, i, dt), b->c->div[l]);
+    const float gh = cms_level_grad(b, l, i, dt);
     cms_ema_elem(b, l, i, gh);
     const float mp = tm_fadd(tm_fmul(ca, b->m[l][i]), tm_fmul(cb, gh));
     b->m[l][i] = mp;
@@ -176,7 +194,7 @@ cms_stats_elem(const cpu_cms_block *b, int l, int64_t i, int j, tm_dtype dt, dou
     const double km = b->shift_m[l];
     const double kg = b->shift_g[l];
     const double x = b->m[l][i];
-    const double g = tm_cms_level_grad(b->acc[l][i], cms_grad(b, i, dt), b->c->div[l]);
+    const double g = cms_level_grad(b, l, i, dt);
     s[0][j] += x - km;
     s[1][j] += (x - km) * (x - km);
     s[2][j] += x * x;
@@ -213,7 +231,7 @@ cms_update(const cpu_cms_block *b, tm_dtype dt)
             float *restrict acc = b->acc[l];
             TM_SIMD
             for (int64_t i = 0; i < b->n; i++) {
-                acc[i] = acc[i] + cms_grad(b, i, dt);
+                acc[i] = cms_acc_grad(b, acc[i], i, dt);
             }
             continue;
         }
@@ -273,6 +291,17 @@ cms_apply_level(const cpu_cms_block *b, int l, float *restrict u, int direct)
 CPU_INLINE void
 cms_apply_params(const cpu_cms_block *b, const float *restrict u, tm_dtype dt, int decay)
 {
+    if (dt == TM_FLOAT64) { /* in double, the float32 rate widened (tm_cms_apply_wide) */
+        double *restrict p = b->p;
+        const double alpha = -(double)b->lr;
+        const float den = b->tv->n_ok > 1 ? b->tv->sqrt_n : 1.0f;
+        const double wd = b->c->weight_decay_wide;
+        TM_SIMD
+        for (int64_t i = 0; i < b->n; i++) {
+            p[i] = tm_cms_apply_wide(p[i], tm_fdiv(u[i], den), alpha, wd, decay);
+        }
+        return;
+    }
     const float alpha = cms_round(-b->lr, dt);
     const float den = b->tv->n_ok > 1 ? b->tv->sqrt_n : 1.0f;
     const float wd = b->c->weight_decay;
@@ -315,10 +344,13 @@ cms_apply(const cpu_cms_block *b, tm_dtype dt)
     static void NAME##_f32(const BLOCK *b) { NAME(b, TM_FLOAT32); }                                \
     static void NAME##_f16(const BLOCK *b) { NAME(b, TM_FLOAT16); }                                \
     static void NAME##_bf16(const BLOCK *b) { NAME(b, TM_BFLOAT16); }                              \
+    static void NAME##_f64(const BLOCK *b) { NAME(b, TM_FLOAT64); }                                \
     static void NAME##_any(const BLOCK *b)                                                         \
     {                                                                                              \
-        b->dtype == TM_FLOAT32 ? NAME##_f32(b)                                                     \
-                               : (b->dtype == TM_FLOAT16 ? NAME##_f16(b) : NAME##_bf16(b));        \
+        b->dtype == TM_FLOAT32   ? NAME##_f32(b)                                                   \
+        : b->dtype == TM_FLOAT16 ? NAME##_f16(b)                                                   \
+        : b->dtype == TM_FLOAT64 ? NAME##_f64(b)                                                   \
+                                 : NAME##_bf16(b);                                                 \
     }
 
 CPU_DEFINE_BY_DTYPE(cms_update, cpu_cms_block)

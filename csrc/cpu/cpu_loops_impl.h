@@ -51,11 +51,15 @@
  * part of the result's definition (changing it changes the bits). */
 #define CPU_ACC 8
 
+/* Element i as a float (a float64 one rounded: the float32 view torch's .float() takes). */
 CPU_INLINE float
 load_elem(const void *x, int64_t i, tm_dtype dt)
 {
     if (dt == TM_FLOAT32) {
         return ((const float *)x)[i];
+    }
+    if (dt == TM_FLOAT64) {
+        return (float)((const double *)x)[i];
     }
     if (dt == TM_BFLOAT16) {
         return tm_bf16_to_f32(((const uint16_t *)x)[i]);

@@ -28,11 +28,11 @@ cms_stats_level(const cms_meta &meta, const cms_params &p, int32_t s, int64_t st
     const float *acc = cms_state(meta, CMS_ROLE_ACC, l, s);
     const float scale = p.grad_scale != NULL ? p.grad_scale[0] : 1.0f;
     const double km = m[0];
-    const double kg = tm_cms_level_grad(acc[0], cms_grad(meta, s, 0, scale), p.c.div[l]);
+    const double kg = tm_fdiv(cms_acc_grad(meta, s, 0, scale, acc[0]), p.c.div[l]);
     for (int32_t k = threadIdx.x; k < len; k += blockDim.x) {
         const int64_t i = start + k;
         const double x = m[i];
-        const double g = tm_cms_level_grad(acc[i], cms_grad(meta, s, i, scale), p.c.div[l]);
+        const double g = tm_fdiv(cms_acc_grad(meta, s, i, scale, acc[i]), p.c.div[l]);
         v[0] += x - km;
         v[1] += (x - km) * (x - km);
         v[2] += x * x;
@@ -77,7 +77,7 @@ cms_update_elem(const cms_meta &meta, const cms_params &p, const tm_cms_direct_n
 {
     float *m = cms_state(meta, CMS_ROLE_M, l, s) + i;
     float *acc = cms_state(meta, CMS_ROLE_ACC, l, s) + i;
-    const float gh = tm_cms_level_grad(*acc, cms_grad(meta, s, i, scale), p.c.div[l]);
+    const float gh = tm_fdiv(cms_acc_grad(meta, s, i, scale, *acc), p.c.div[l]);
     float *ema = cms_state(meta, CMS_ROLE_EMA, l, s); /* NULL: not kept */
     float *vsq = cms_state(meta, CMS_ROLE_VSQ, l, s);
     tm_cms_ema_elem(ema != NULL ? ema + i : NULL, vsq != NULL ? vsq + i : NULL, gh, &p.c, l);
@@ -133,7 +133,7 @@ cms_update_kernel(const __grid_constant__ cms_meta meta, const __grid_constant__
         float *acc = cms_state(meta, CMS_ROLE_ACC, l, s) + start;
         if (!(p.c.fires >> l & 1u)) {
             for (int32_t k = threadIdx.x; k < len; k += blockDim.x) {
-                acc[k] = tm_fadd(acc[k], cms_grad(meta, s, start + k, scale));
+                acc[k] = cms_acc_grad(meta, s, start + k, scale, acc[k]);
             }
             continue;
         }
@@ -157,7 +157,7 @@ cms_update_kernel(const __grid_constant__ cms_meta meta, const __grid_constant__
  * rounded to p's dtype as torch does on the CPU). */
 static __device__ __forceinline__ void
 cms_apply_elem(const cms_meta &meta, const cms_params &p, const tm_cms_level_out *lv,
-               const tm_cms_tensor_out &tv, int32_t s, int64_t i, float alpha)
+               const tm_cms_tensor_out &tv, int32_t s, int64_t i, float alpha, double alpha_wide)
 {
     float u = 0.0f;
     for (int l = 0; l < p.c.levels; l++) {
@@ -179,6 +179,12 @@ cms_apply_elem(const cms_meta &meta, const cms_params &p, const tm_cms_level_out
     }
     const int dt = meta.dtype[s];
     void *pp = meta.ptr[CMS_IDX_PARAM][s];
+    if (dt == TM_FLOAT64) { /* in double, the float32 rate widened (tm_cms_apply_wide) */
+        double *pd = (double *)pp;
+        pd[i] = tm_cms_apply_wide(pd[i], tm_fdiv(u, tv.n_ok > 1 ? tv.sqrt_n : 1.0f), alpha_wide,
+                                  p.c.weight_decay_wide, p.c.weight_decay > 0.0f);
+        return;
+    }
     const float pv = cms_load(pp, i, dt);
     float v = tm_fdiv(u, tv.n_ok > 1 ? tv.sqrt_n : 1.0f);
     if (p.c.weight_decay > 0.0f) {
@@ -215,8 +221,9 @@ cms_apply_kernel(const __grid_constant__ cms_meta meta, const __grid_constant__ 
     }
     __syncthreads();
     const float alpha = cms_round(-p.lr[meta.group[s]], meta.dtype[s]);
+    const double alpha_wide = -(double)p.lr[meta.group[s]];
     for (int32_t k = threadIdx.x; k < len; k += blockDim.x) {
-        cms_apply_elem(meta, p, s_lv, s_tv, s, start + k, alpha);
+        cms_apply_elem(meta, p, s_lv, s_tv, s, start + k, alpha, alpha_wide);
     }
 }
 

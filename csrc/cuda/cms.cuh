@@ -82,9 +82,13 @@ cms_round(float x, int dtype)
     return dtype == TM_FLOAT16 ? __half2float(__float2half_rn(x)) : x;
 }
 
+/* Element i as a float (a float64 one rounded: the float32 view torch's .float() takes). */
 static __device__ __forceinline__ float
 cms_load(const void *x, int64_t i, int dtype)
 {
+    if (dtype == TM_FLOAT64) {
+        return __double2float_rn(((const double *)x)[i]);
+    }
     if (dtype == TM_BFLOAT16) {
         return __bfloat162float(((const __nv_bfloat16 *)x)[i]);
     }
@@ -97,6 +101,18 @@ cms_grad(const cms_meta &meta, int32_t s, int64_t i, float scale)
 {
     const int dt = meta.dtype[s];
     return cms_round(tm_fmul(cms_load(meta.ptr[CMS_IDX_GRAD][s], i, dt), scale), dt);
+}
+
+/* A + g, the accumulator plus the clipped gradient as the reference's add_ rounds it into the
+ * float32 buffer (a float64 gradient: clipped and added in double, rounded once). */
+static __device__ __forceinline__ float
+cms_acc_grad(const cms_meta &meta, int32_t s, int64_t i, float scale, float acc)
+{
+    if (meta.dtype[s] == TM_FLOAT64) {
+        const double g = ((const double *)meta.ptr[CMS_IDX_GRAD][s])[i];
+        return tm_cms_acc_add_wide(acc, __dmul_rn(g, (double)scale));
+    }
+    return tm_fadd(acc, cms_grad(meta, s, i, scale));
 }
 
 static __device__ __forceinline__ float *
