@@ -17,6 +17,7 @@ from ._reference_dno import (
     _default_loss_fn,
     _fused_clip_grad_norm_,
 )
+from ._runtime import eager_only
 
 CURRENT = object()  # _update_meta_components' default: the current gradients' clip
 
@@ -87,6 +88,7 @@ class MetaLearningMixin:
         self.last_meta_loss = total.detach()
         self.controller_grad_norm = grad_norm
 
+    @eager_only
     def meta_update(self, val_batch, train_batches=None, loss_fn=None, use_unrolled=True):
         """Spec 9.4, simplified branch. The unrolled branch is broken in the reference (B3) and
         raises NotImplementedError here."""

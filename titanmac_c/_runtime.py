@@ -3,7 +3,9 @@ error messages that point at the user's parameters instead of at positions in a 
 
 import math
 import numbers
+import os
 import re
+import sys
 
 import torch
 
@@ -12,6 +14,32 @@ from . import _C
 # what the C core's norms, clipping and AdamW take (float64 computed in double, as torch does);
 # the DeepNestedOptimizer's control and CMS ops take the first three
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def eager_only(fn):
+    """fn run eagerly under torch.compile (Dynamo breaks the graph around the call instead of
+    tracing into it). The C core writes tensors through DLPack, unseen by a trace: a traced
+    caller would drop what fn tells autograd (mark_written's version bumps, which Dynamo does
+    not replay, so a backward through a graph saved before the step would silently read the
+    updated weights, and a pending clip coefficient would outlive its gradients), and would
+    guard on every Python value fn reads (a scheduled learning rate: a recompilation per step
+    until Dynamo's limit)."""
+    return torch.compiler.disable(fn)
+
+
+# with the separator: torch's folder name is a prefix of torchvision's
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+
+
+def user_stacklevel():
+    """warnings.warn's stacklevel that names the user's line: the first frame, from the caller
+    of warn up, outside titanmac_c and torch (whose wrappers, eager_only's among them, sit
+    between a public function and its caller)."""
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith((_PACKAGE_DIR, _TORCH_DIR)):
+        level, frame = level + 1, frame.f_back
+    return level
 
 
 def exec_kwargs(device: torch.device) -> dict:

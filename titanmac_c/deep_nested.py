@@ -76,7 +76,7 @@ from ._dno_checkpoint import CheckpointMixin
 from ._dno_control import ControlStepMixin, GroupWatch, watch_model_edits
 from ._dno_meta import MetaLearningMixin
 from ._step_hooks import has_step_hooks, with_step_hooks
-from ._runtime import Scratch, as_number
+from ._runtime import Scratch, as_number, eager_only
 from .functional import _real_views, _scale_grads
 from .optim import AdamW
 
@@ -126,7 +126,8 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin, MetaLearningMixin,
         self.meta_update_freq = check_int("meta_update_freq", meta_update_freq,
                                           1 if mode == "simple" else 0)
         self.weight_decay = check_float("weight_decay", weight_decay)
-        self.max_grad_norm = float(max_grad_norm)  # <= 0: no clipping; inf: coefficient 1
+        # <= 0: no clipping; inf: coefficient 1
+        self.max_grad_norm = as_number("max_grad_norm", max_grad_norm)
         if math.isnan(self.max_grad_norm):
             raise ValueError("max_grad_norm = nan: must be a number (<= 0 turns clipping off)")
         self.low_memory = bool(low_memory)
@@ -258,6 +259,7 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin, MetaLearningMixin,
 
     # ------------------------------------------------------------------ spec 5, the step
 
+    @eager_only
     def step(self, loss_value=None):
         """One step. loss_value: a float or a 0-d tensor (no .item() needed: a non-finite tensor
         loss is caught on the device). Returns the reference's dict."""

@@ -30,6 +30,7 @@ from ._runtime import (
     as_number,
     call_dense,
     compute_dtype,
+    eager_only,
     exec_kwargs,
     is_expanded,
     is_strided_only,
@@ -37,6 +38,7 @@ from ._runtime import (
     memory_real_view,
     norms_scratch,
     reraise_with_names,
+    user_stacklevel,
 )
 
 GroupNorms = namedtuple("GroupNorms", "grad param total_grad total_param nonfinite")
@@ -218,6 +220,7 @@ def _combine_totals(totals, devices, norm_type):
     return torch.linalg.vector_norm(stacked, norm_type)
 
 
+@eager_only
 def get_total_norm(tensors, norm_type=2.0, error_if_nonfinite=False, foreach=None):
     """The norm of all tensors as one vector, like torch.nn.utils.get_total_norm.
 
@@ -264,6 +267,7 @@ def _total_norm(tensors, norm_type, error_if_nonfinite):
     return total if sharded is None else sharded.replicated(total)
 
 
+@eager_only
 def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
     """Clip the gradients of `parameters` to a total norm of `max_norm`, like
     torch.nn.utils.clip_grad_norm_: grads *= min(1, max_norm / (total_norm + 1e-6)).
@@ -279,7 +283,7 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
         if not params and isinstance(parameters, types.GeneratorType):
             # torch's warning: most often a model.parameters() generator already used up
             warnings.warn("`parameters` is an empty generator, no gradient clipping will occur.",
-                          stacklevel=2)
+                          stacklevel=user_stacklevel())
     max_norm = _check_max_norm(max_norm)
     norm_type = _check_norm_type(norm_type)
     all_grads = [p.grad for p in params]
@@ -336,6 +340,7 @@ def _clip_sharded(sharded, max_norm, norm_type, error_if_nonfinite, dtype):
     return sharded.replicated(total if dtype == total.dtype else total.to(dtype))
 
 
+@eager_only
 def group_norms(grads, params=None, group_of=None, num_groups=1, norm_type=2.0):
     """Per-group and global norms of `grads` (and of `params`) in one pass over memory.
 

@@ -26,6 +26,7 @@ from ._runtime import (
     SUPPORTED_DTYPES,
     Scratch,
     check_supported_dtype,
+    eager_only,
     exec_kwargs,
     mark_written,
     memory_real_view,
@@ -158,6 +159,7 @@ class AdamW(Optimizer):
         self._clip_coef = {}
         super().zero_grad(set_to_none)
 
+    @eager_only
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False,
                         total_norm=None):
@@ -182,6 +184,7 @@ class AdamW(Optimizer):
         self._clip_mark = mark or GradientMark.of(self.param_groups)
         return result
 
+    @eager_only
     @torch.no_grad()
     def step(self, closure=None):
         """One AdamW step for every parameter with a gradient (one C call per device)."""
