@@ -268,6 +268,11 @@ def _assert_acts_as_ints(as_ints, given):
     (dict(momentum_hidden_dim=np.float32(16.5)), ValueError, "momentum_hidden_dim"),
     (dict(meta_update_freq=math.inf), ValueError, "meta_update_freq"),
     (dict(max_grad_norm=math.nan), ValueError, "max_grad_norm = nan"),
+    # the float options are named (float() would raise a TypeError naming none)
+    (dict(base_lr=None), ValueError, r"^base_lr = None: expected a number$"),
+    (dict(meta_lr=None), ValueError, r"^meta_lr = None: expected a number$"),
+    (dict(weight_decay="0.1"), ValueError, r"^weight_decay = '0.1': expected a number$"),
+    (dict(max_grad_norm=None), ValueError, r"^max_grad_norm = None: expected a number$"),
     (dict(base_lr=1e300), ValueError, r"base_lr = 1e\+300: base_lr \* mu_max = 2e\+300 is "
                                       "beyond float32's range"),
     # DirectUpdateMLP's initialisation needs width 2 (the reference: IndexError); legacy: 1 is ok
@@ -932,6 +937,8 @@ def _bad_checkpoints(sd):
                 ("cms levels", edit(lambda b: b["cms_state"][last].update(
                     {7: copy.deepcopy(b["cms_state"][last][0])}))),
                 ("cms level a list", edit(lambda b: b["cms_state"][last].update({0: [1, 2]}))),
+                ("cms keys flattened to strings", edit(lambda b: b.update(
+                    cms_state={str(i): levels for i, levels in b["cms_state"].items()}))),
                 ("cms step_count a string", edit(lambda b: b["cms_state"][last][0].update(
                     step_count="3"))),
                 ("cms step_count beyond float32", edit(lambda b: b["cms_state"][last][0].update(
@@ -1010,3 +1017,14 @@ def test_a_checkpoint_that_does_not_fit_raises_and_loads_nothing(kw):
             o.step(1.0)
     for p, q in zip(model.parameters(), model_twin.parameters()):
         assert torch.equal(p, q)
+
+
+def test_a_cms_state_keyed_by_strings_is_named_for_what_it_is():
+    """Keys flattened to strings (e.g. by a checkpoint tool): the reference ignores such a
+    cms_state and trains from zero buffers; refused here, saying what the keys must be."""
+    opt = titanmac_c.DeepNestedOptimizer(make_mlp_10_32_5(seed=0), use_cms_updates=True)
+    sd = opt.state_dict()
+    sd["cms_state"] = {str(i): levels for i, levels in sd["cms_state"].items()}
+    with pytest.raises(ValueError, match=r"^cms_state\['0'\]: a str key; cms_state is keyed by "
+                                         r"each tensor's position in the groups \(an int\)$"):
+        opt.load_state_dict(sd)

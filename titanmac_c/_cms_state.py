@@ -117,7 +117,10 @@ class CMSState:
         """Raises ValueError for a cms_state this state cannot load; writes nothing."""
         _check_dict("cms_state", cms_state)
         for i, levels in cms_state.items():
-            if not isinstance(i, int) or not 0 <= i < len(self.params):
+            if not isinstance(i, int):  # e.g. keys flattened to strings by a checkpoint tool
+                raise ValueError(f"cms_state[{i!r}]: a {type(i).__name__} key; cms_state is "
+                                 "keyed by each tensor's position in the groups (an int)")
+            if not 0 <= i < len(self.params):
                 raise ValueError(f"cms_state[{i!r}]: the optimizer has {len(self.params)} tensors")
             _check_dict(f"cms_state[{i}]", levels)
             for level, saved in levels.items():

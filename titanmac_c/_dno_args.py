@@ -10,7 +10,7 @@ import torch
 from . import _C
 from ._cms_state import level_frequencies
 from ._distributed import is_dtensor
-from ._runtime import COMPLEX_DTYPES, SUPPORTED_DTYPES, dense_order
+from ._runtime import COMPLEX_DTYPES, SUPPORTED_DTYPES, as_number, dense_order
 from ._reference_dno import MAX_LR_MULT
 
 # the CMS update's parameter dtypes (its buffers and update are float32, as the reference's, for
@@ -82,7 +82,7 @@ def check_c_limits(opt):
 
 
 def check_float(name, value, low=0.0):
-    value = float(value)
+    value = as_number(name, value)  # None or a string: a ValueError naming the argument
     if not (math.isfinite(value) and value >= low):
         raise ValueError(f"{name} = {value}: must be finite and >= {low}")
     return value
