@@ -58,7 +58,9 @@ const char *tm_last_error(void);
 /* ---------------------------------------------------------------- tensors ---- */
 
 /* TM_FLOAT64 is taken by the norms, clipping and AdamW (computed in double, as torch computes
- * float64 tensors); the DeepNestedOptimizer's control and CMS ops refuse it. */
+ * float64 tensors) and as params and grads of the CMS ops (float32 math and state, as the
+ * reference's; the accumulate and the parameter step in double); the DeepNestedOptimizer's
+ * control op refuses it. */
 typedef enum { TM_FLOAT32 = 0, TM_FLOAT16 = 1, TM_BFLOAT16 = 2, TM_FLOAT64 = 3 } tm_dtype;
 #define TM_DTYPE_COUNT 4
 

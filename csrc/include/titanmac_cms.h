@@ -45,7 +45,7 @@ typedef struct {
 
 /* One entry per tensor. State lists are per level: momentum[l] is the list of m_l of every
  * tensor, named "momentum[l]" in messages ("momentum[1][3]" = level 1 of tensor 3). Every state
- * tensor is float32 with its param's numel; grads have the params' dtype (fp32, bf16, fp16).
+ * tensor is float32 with its param's numel; grads have the params' dtype (fp32, bf16, fp16, fp64).
  * step_counts[i] is float32 with `levels` elements: element l counts level l's firings. weights
  * are the network's parameters in module order (list(net.parameters())): DIRECT W_in [H,4],
  * b_in, (W [H,H], b) x (L-1), W_out [1,H], b_out [1]; LEGACY residual_weight [1] first (never
