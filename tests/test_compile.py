@@ -13,6 +13,14 @@ import titanmac_c
 from dno_models import make_mlp_10_32_5
 
 
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Each test compiles from nothing and leaves no compiled code behind, failed or not."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 def _data(steps):
     gen = torch.Generator().manual_seed(3)
     return [(torch.randn(16, 10, generator=gen), torch.randn(16, 5, generator=gen))
@@ -54,7 +62,6 @@ def test_a_compiled_training_step_computes_what_the_eager_one_does(second_clip):
         assert torch.equal(loss_c, loss_e) and torch.equal(norm_c, norm_e)
     for pc, pe in zip(model_c.parameters(), model_e.parameters()):
         assert torch.equal(pc, pe)
-    torch._dynamo.reset()
 
 
 def test_a_compiled_step_bumps_the_parameters_versions_as_torch():
@@ -71,7 +78,6 @@ def test_a_compiled_step_bumps_the_parameters_versions_as_torch():
     assert lin.weight._version > before
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.backward()
-    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("cms", [False, True], ids=["adamw_mode", "cms_mode"])
@@ -96,4 +102,3 @@ def test_a_compiled_deep_nested_step_computes_what_the_eager_one_does(cms):
     assert all(torch.equal(a, b) for a, b in zip(losses_c, losses_e))
     for pc, pe in zip(model_c.parameters(), model_e.parameters()):
         assert torch.equal(pc, pe)
-    torch._dynamo.reset()

@@ -333,13 +333,6 @@ tm_cms_consts_make(const tm_cms_args *a)
     return c;
 }
 
-/* g^ = (A + g) / div: the accumulate, then the clone's division. */
-TM_HOST_DEVICE float
-tm_cms_level_grad(float acc, float g, float div)
-{
-    return tm_fdiv(tm_fadd(acc, g), div);
-}
-
 /* ---------------------------------------------------------------- float64 parameters ---- */
 
 /* A float64 model's CMS step is the reference's: its buffers and update are float32 as for

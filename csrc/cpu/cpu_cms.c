@@ -56,7 +56,7 @@ first_level_grad(const cms_ctx *x, int32_t i, int32_t l)
 {
     const tm_tensor *g = &x->t->grads.tensors[i];
     const float acc = ((const float *)x->t->accumulated[l].tensors[i].data)[0];
-    if (g->dtype == TM_FLOAT64) {
+    if (g->dtype == TM_FLOAT64) { /* the accumulate in double (tm_cms_acc_add_wide) */
         const double v = ((const double *)g->data)[0] * (double)x->grad_scale;
         return tm_fdiv(tm_cms_acc_add_wide(acc, v), x->c->div[l]);
     }
@@ -72,7 +72,7 @@ first_level_grad(const cms_ctx *x, int32_t i, int32_t l)
         v = g->dtype == TM_BFLOAT16 ? tm_bf16_to_f32(tm_f32_to_bf16(v))
                                     : tm_f16_to_f32(tm_f32_to_f16(v));
     }
-    return tm_cms_level_grad(acc, v, x->c->div[l]);
+    return tm_fdiv(tm_fadd(acc, v), x->c->div[l]); /* the accumulate, the clone's division */
 }
 
 /* Block b of tensor i, whose partials go to slot. */

@@ -291,10 +291,10 @@ cms_apply_level(const cpu_cms_block *b, int l, float *restrict u, int direct)
 CPU_INLINE void
 cms_apply_params(const cpu_cms_block *b, const float *restrict u, tm_dtype dt, int decay)
 {
+    const float den = b->tv->n_ok > 1 ? b->tv->sqrt_n : 1.0f;
     if (dt == TM_FLOAT64) { /* in double, the float32 rate widened (tm_cms_apply_wide) */
         double *restrict p = b->p;
         const double alpha = -(double)b->lr;
-        const float den = b->tv->n_ok > 1 ? b->tv->sqrt_n : 1.0f;
         const double wd = b->c->weight_decay_wide;
         TM_SIMD
         for (int64_t i = 0; i < b->n; i++) {
@@ -303,7 +303,6 @@ cms_apply_params(const cpu_cms_block *b, const float *restrict u, tm_dtype dt, i
         return;
     }
     const float alpha = cms_round(-b->lr, dt);
-    const float den = b->tv->n_ok > 1 ? b->tv->sqrt_n : 1.0f;
     const float wd = b->c->weight_decay;
     TM_SIMD
     for (int64_t i = 0; i < b->n; i++) {
