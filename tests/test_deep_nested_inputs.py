@@ -10,6 +10,7 @@ tests/test_deep_nested_layouts.py.
 import copy
 import io
 import math
+import re
 
 import numpy as np
 import pytest
@@ -915,7 +916,16 @@ def _bad_checkpoints(sd):
            ("meta_optimizer groups", edit(lambda b: b["meta_optimizer"]["param_groups"][0]
                                           .update(params=[0]))),
            ("meta_optimizer without state", edit(lambda b: b["meta_optimizer"].pop("state"))),
-           ("lr_multipliers a string", edit(lambda b: b.update(lr_multipliers="abc")))]
+           ("lr_multipliers a string", edit(lambda b: b.update(lr_multipliers="abc"))),
+           ("meta_trainer a list", edit(lambda b: b.update(meta_trainer=[1.0]))),
+           ("meta_trainer lists of two lengths", edit(lambda b: b.update(meta_trainer=dict(
+               loss_history=[1.0], multiplier_history=[], momentum_history=[])))),
+           ("meta_trainer loss a string", edit(lambda b: b.update(meta_trainer=dict(
+               loss_history=["abc"], multiplier_history=[torch.ones(2)],
+               momentum_history=[0.0])))),
+           ("meta_trainer multipliers of 3", edit(lambda b: b.update(meta_trainer=dict(
+               loss_history=[1.0], multiplier_history=[torch.ones(3)],
+               momentum_history=[0.0]))))]
     if sd["meta_optimizer"]["state"]:
         out.append(("meta_optimizer exp_avg shape", edit(
             lambda b: next(iter(b["meta_optimizer"]["state"].values())).update(
@@ -951,7 +961,13 @@ def _bad_checkpoints(sd):
                     momentum=torch.zeros(32, 10, dtype=torch.complex64)))),
                 ("cms momentum on meta", edit(lambda b: b["cms_state"][last][0].update(
                     momentum=torch.zeros_like(b["cms_state"][last][0]["momentum"],
-                                              device="meta"))))]
+                                              device="meta")))),
+                ("Phase 1 output of another shape", edit(lambda b: b.update(
+                    mlp_output_history={first: torch.zeros(10, 32)}))),
+                ("Phase 1 output of no tensor", edit(lambda b: b.update(
+                    mlp_output_history={first: torch.zeros(32, 10), last + 1: torch.zeros(1)}))),
+                ("Phase 1 outputs keyed by strings", edit(lambda b: b.update(
+                    mlp_output_history={"0": torch.zeros(32, 10)})))]
     if "mlp_optimizer" in sd:
         out += [("mlp_optimizer groups", edit(lambda b: b["mlp_optimizer"]["param_groups"][0]
                                               ["params"].pop())),
@@ -1017,6 +1033,28 @@ def test_a_checkpoint_that_does_not_fit_raises_and_loads_nothing(kw):
             o.step(1.0)
     for p, q in zip(model.parameters(), model_twin.parameters()):
         assert torch.equal(p, q)
+
+
+def test_histories_that_do_not_fit_are_named():
+    """The meta-trainer's and Phase 1's histories (keys the reference's checkpoints lack) are
+    checked as the other parts: a misfit raises naming the entry and loads nothing."""
+    model = make_mlp_10_32_5(seed=0)
+    opt = titanmac_c.DeepNestedOptimizer(model, use_cms_updates=True)
+    sd = opt.state_dict()
+    sd["meta_trainer"]["loss_history"] = [2.0, None]
+    sd["meta_trainer"]["multiplier_history"] = [torch.ones(2)] * 2
+    sd["meta_trainer"]["momentum_history"] = [0.0, 0.0]
+    with pytest.raises(ValueError, match=r"^state_dict\['meta_trainer'\]\['loss_history'\]\[1\]: "
+                                         r"None, expected a number$"):
+        opt.load_state_dict(sd)
+    sd = opt.state_dict()
+    sd["mlp_output_history"] = {1: torch.zeros(7, 7)}
+    shape = re.escape(str(tuple(opt._cms.params[1].shape)))  # tensor 1 in group order
+    with pytest.raises(ValueError, match=r"^state_dict\['mlp_output_history'\]\[1\]: \(7, 7\) "
+                                         r"torch.float32 torch.strided on cpu, expected a dense "
+                                         rf"floating tensor of shape {shape} with values$"):
+        opt.load_state_dict(sd)
+    assert opt.meta_trainer.loss_history == [] and opt._mlp_output_history == {}
 
 
 def test_a_cms_state_keyed_by_strings_is_named_for_what_it_is():

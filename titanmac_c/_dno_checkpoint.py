@@ -1,15 +1,20 @@
 """The DeepNestedOptimizer's checkpoints, in the reference's layout (spec Appendix A): saved with
 the rates and multipliers as the reference's hold them, and loaded from ours or the reference's
 only after every part was checked, so a checkpoint that does not fit raises and leaves the
-optimizer as it was (the reference loads part by part and stops half-loaded)."""
+optimizer as it was (the reference loads part by part and stops half-loaded). Two keys the
+reference's lack, 'meta_trainer' and 'mlp_output_history', hold the histories that steer the next
+meta-update and Phase 1 step, so a resume is exact; the reference's load ignores them, and a
+checkpoint without them leaves ours' histories as they are, as the reference's load does."""
 
 import copy
+import numbers
 
 import torch
 
 from ._dno_args import as_int
 from ._reference_dno import N_GROUPS
 
+_META_HISTORIES = ("loss_history", "multiplier_history", "momentum_history")
 _COMPILED_PREFIX = "_orig_mod."  # torch.compile's wrapper names the wrapped module so
 
 
@@ -41,6 +46,62 @@ def _check_loads_into_a_copy(key, opt, saved):
                                      f"{name} is {shape!r}, the parameter {tuple(p.shape)}")
 
 
+def _checked_meta_histories(meta, window, device):
+    """state_dict['meta_trainer'] as SimplifiedMetaTrainer's three lists (the last `window`
+    entries, the most it keeps), new objects on `device`; ValueError if it does not fit."""
+    if not isinstance(meta, dict) or any(
+            not isinstance(meta.get(name), (list, tuple)) for name in _META_HISTORIES):
+        raise ValueError(f"state_dict['meta_trainer']: expected a dict of the lists "
+                         f"{list(_META_HISTORIES)}")
+    lengths = {len(meta[name]) for name in _META_HISTORIES}
+    if len(lengths) != 1:
+        raise ValueError(f"state_dict['meta_trainer']: its lists differ in length "
+                         f"({[len(meta[name]) for name in _META_HISTORIES]})")
+    out = {}
+    for name in _META_HISTORIES:
+        values = list(meta[name])[max(0, len(meta[name]) - window):]
+        for j, value in enumerate(values):
+            where = f"state_dict['meta_trainer'][{name!r}][{j}]"
+            if name == "multiplier_history":
+                values[j] = _checked_tensor(where, value, (N_GROUPS,), device)
+            elif isinstance(value, (bool, str, bytes)) or not isinstance(
+                    value, (numbers.Real, torch.Tensor)) or torch.is_tensor(value) and (
+                    value.numel() != 1 or value.device.type == "meta"):
+                raise ValueError(f"{where}: {value!r}, expected a number")
+            else:
+                values[j] = float(value)
+        out[name] = values
+    return out
+
+
+def _checked_outputs(outputs, params, device):
+    """state_dict['mlp_output_history'] as {tensor index: float32 copy on `device` of that
+    tensor's shape}; ValueError if it does not fit."""
+    if not isinstance(outputs, dict):
+        raise ValueError(f"state_dict['mlp_output_history']: a {type(outputs).__name__}, "
+                         "expected a dict {tensor position: tensor}")
+    out = {}
+    for i, value in outputs.items():
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(params):
+            raise ValueError(f"state_dict['mlp_output_history'][{i!r}]: expected a tensor "
+                             f"position in the groups, an int in [0, {len(params)})")
+        out[i] = _checked_tensor(f"state_dict['mlp_output_history'][{i}]", value,
+                                 tuple(params[i].shape), device)
+    return out
+
+
+def _checked_tensor(where, value, shape, device):
+    """A float32 copy on `device` of a dense floating tensor of `shape`, else ValueError."""
+    if (not torch.is_tensor(value) or tuple(value.shape) != shape
+            or value.layout != torch.strided or value.device.type == "meta"
+            or not value.is_floating_point()):
+        got = (type(value).__name__ if not torch.is_tensor(value) else
+               f"{tuple(value.shape)} {value.dtype} {value.layout} on {value.device}")
+        raise ValueError(f"{where}: {got}, expected a dense floating tensor of shape {shape} "
+                         "with values")
+    return value.detach().to(device, torch.float32, copy=True)
+
+
 class CheckpointMixin:
     """state_dict / load_state_dict of DeepNestedOptimizer."""
 
@@ -61,6 +122,11 @@ class CheckpointMixin:
             "lr_multipliers": self._lr_multipliers.clone(),
             "ema_loss": self.ema_loss.clone(),
             "cms_state": self._cms.state_dict() if self._cms is not None else {},
+            "meta_trainer": {name: list(getattr(self.meta_trainer, name))
+                             for name in _META_HISTORIES},
+            # Phase 1's last output per tensor (by reference, as the CMS buffers): at most
+            # SURROGATE_MAX_TENSORS of them, in CMS mode with the DirectUpdateMLP only
+            "mlp_output_history": dict(self._mlp_output_history),
         }
         if self.mlp_optimizer is not None:
             sd["mlp_optimizer"] = self.mlp_optimizer.state_dict()
@@ -69,8 +135,8 @@ class CheckpointMixin:
     def _check_state_dict(self, state_dict):
         """Everything load_state_dict would refuse after its first write, found before it: the
         parts' keys, the modules' keys and shapes (loaded into copies), the meta-optimizers'
-        group sizes, the multipliers' and EMA's lengths, global_step, the CMS state. Returns
-        (multipliers, ema, global_step)."""
+        group sizes, the multipliers' and EMA's lengths, global_step, the CMS state, the
+        histories. Returns (multipliers, ema, global_step, (meta histories, Phase 1 outputs))."""
         for key in ("base_optimizer", "momentum_mlp", "controller", "meta_optimizer"):
             if key not in state_dict:
                 raise KeyError(f"DeepNestedOptimizer.load_state_dict: no {key!r} in the checkpoint")
@@ -113,7 +179,20 @@ class CheckpointMixin:
                              "expected a whole number >= 0")
         if self._cms is not None:
             self._cms.check_state_dict(state_dict.get("cms_state", {}))
-        return values[0], values[1], step
+        return values[0], values[1], step, self._checked_histories(state_dict)
+
+    def _checked_histories(self, state_dict):
+        """The checkpoint's meta-trainer and Phase 1 histories as load_state_dict writes them
+        (None for a part the checkpoint lacks); raises ValueError for one that does not fit."""
+        meta = state_dict.get("meta_trainer")
+        if meta is not None:
+            meta = _checked_meta_histories(meta, self.meta_trainer.window_size, self.device)
+        outputs = state_dict.get("mlp_output_history")
+        if outputs is not None and self._cms is not None:
+            outputs = _checked_outputs(outputs, self._cms.params, self.device)
+        elif outputs is not None:
+            outputs = None  # AdamW mode has no Phase 1 (as cms_state, ignored there)
+        return meta, outputs
 
     def _module_state(self, module):
         """The module's state_dict, keyed as the reference's: with use_compile=True its modules
@@ -129,7 +208,7 @@ class CheckpointMixin:
         copied into the existing device buffers (B10 fixed: nothing lands on the CPU, a captured
         graph stays valid for the buffers, and is re-captured for the new AdamW state).
         cms_state is ignored in AdamW mode (the reference's holds only zeros there)."""
-        mult, ema, step = self._check_state_dict(state_dict)
+        mult, ema, step, (meta, outputs) = self._check_state_dict(state_dict)
         self.base_optimizer.load_state_dict(state_dict["base_optimizer"])  # checks, then writes
         self.momentum_mlp.load_state_dict(_uncompiled(state_dict["momentum_mlp"]))
         self.controller.load_state_dict(_uncompiled(state_dict["controller"]))
@@ -147,5 +226,10 @@ class CheckpointMixin:
             if not cms_state:  # AdamW mode's (ours saves {}): as the reference's all-zero one
                 self._cms.reset()
             self._cms.load_state_dict(cms_state)
+        if meta is not None:
+            for name, values in meta.items():
+                setattr(self.meta_trainer, name, values)
+        if outputs is not None:
+            self._mlp_output_history = outputs
         if self._graph is not None:
             self._graph.reset()

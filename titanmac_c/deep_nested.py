@@ -181,7 +181,7 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin, MetaLearningMixin,
         if self.fix_reference_bugs and self.use_preprocessing:
             init_output_on_sign(self.momentum_mlp)
         self.state = self._cms.public_view() if self._cms is not None else {}
-        self._mlp_output_history = {}  # tensor index -> last Phase-1 output (not checkpointed)
+        self._mlp_output_history = {}  # tensor index -> last Phase-1 output (checkpointed)
         # How Phase 1 runs: on the CPU its gradient comes from the C core's op, and a step the
         # device-side guard skipped is seen on the host (a free read there), so Phase 1 skips it
         # as the reference's does; on CUDA the same algorithm runs in torch ops (with chunk plans
