@@ -2,6 +2,7 @@
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 
@@ -48,6 +49,19 @@ def test_parity_tensor_lr_and_scheduler(device):
     run_pair(ours, theirs, params_a, params_b, steps=25, sched=scheds)
     assert_adamw_runs_agree(ours, theirs, params_a, params_b, tol(torch.float32, device))
     assert float(ours.param_groups[0]["lr"]) == pytest.approx(2e-3 * 0.5 ** 5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("make_lr", [np.float32, np.array], ids=["numpy_scalar", "numpy_0d"])
+def test_parity_numpy_lr(device, make_lr):
+    """An lr read from a numpy config (a numpy scalar or a 0-d array) steps as torch's AdamW
+    steps it."""
+    params_a = make_params([3, 255, 4097], device)
+    params_b = clone_params(params_a)
+    ours = titanmac_c.AdamW(params_a, lr=make_lr(2e-3), weight_decay=0.05)
+    theirs = torch.optim.AdamW(params_b, lr=make_lr(2e-3), weight_decay=0.05)
+    run_pair(ours, theirs, params_a, params_b)
+    assert_adamw_runs_agree(ours, theirs, params_a, params_b, tol(torch.float32, device))
 
 
 @pytest.mark.parametrize("device", DEVICES)

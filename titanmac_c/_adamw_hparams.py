@@ -107,7 +107,7 @@ class Hyperparameters:
             return torch.stack([
                 torch.as_tensor(lr, dtype=dtype, device=device).reshape(()) for lr in lrs
             ])
-        values = tuple(lrs)
+        values = tuple(map(float, lrs))  # a numpy scalar or 0-d array too, as torch's AdamW
         key = (device, dtype)
         cached = self._lr_cache.get(key)
         if cached is not None and cached[0] == values:
