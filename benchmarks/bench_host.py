@@ -9,9 +9,11 @@ TitanMAC-like model's 48 tensors, each shrunk to 4 elements (its grouping by nam
 AdamW.step over tensors listed in another order than their addresses (as a real model's lie in
 the heap); and AdamW.step and the DeepNestedOptimizer's CMS-mode step on a stack of 16 tiny
 convolutions (32 tensors), contiguous and channels_last (whose weights the C core takes where
-they lie).
+they lie); and the AdamW-mode step with controllers of other widths, ours against the
+reference's.
 
 Usage: python benchmarks/bench_host.py [--device cpu|cuda] [--counts 48,1000] [--steps N]
+                                       [--controllers 32x2,1024x4]
 """
 
 import argparse
@@ -26,6 +28,7 @@ sys.path[:0] = [HERE, os.path.join(HERE, "..", "tests")]
 import titanmac_c  # noqa: E402
 from bench_step import enqueue_seconds  # noqa: E402
 from dno_models import make_titanmac_like_model  # noqa: E402
+from titanmac_c._reference_dno import ReferenceDeepNestedOptimizer  # noqa: E402
 
 
 def _median_us(fn, device, steps, warmup=50):
@@ -69,19 +72,40 @@ def heap_order_row(count, device, steps):
     return (f"{count} in heap order", "titanmac_c AdamW.step", _median_us(ours.step, device, steps))
 
 
-def dno_row(device, steps):
+def _tiny_titanmac_like(device):
     model = make_titanmac_like_model(seed=0).to(device)
     with torch.no_grad():
         for p in model.parameters():
             p.data = torch.randn(4, device=device)
-    opt = titanmac_c.DeepNestedOptimizer(model, base_lr=3e-4, weight_decay=0.01,
-                                         max_grad_norm=1.0)
     for p in model.parameters():
         p.grad = torch.randn_like(p)
+    return model
+
+
+def dno_row(device, steps):
+    model = _tiny_titanmac_like(device)
+    opt = titanmac_c.DeepNestedOptimizer(model, base_lr=3e-4, weight_decay=0.01,
+                                         max_grad_norm=1.0)
     loss = torch.tensor(1.0, device=device)
     n = sum(1 for _ in model.parameters())
     return (f"{n} tensors", "titanmac_c DeepNestedOptimizer.step (AdamW mode)",
             _median_us(lambda: opt.step(loss), device, steps))
+
+
+def controller_rows(device, steps, shapes):
+    """The AdamW-mode step of dno_row with a controller of hidden width H and L hidden layers
+    (controller_hidden_dim, controller_num_layers), ours and the reference's: at widths of a few
+    hundred and more the controller's matrix-vector products, not the host, are the cost."""
+    rows = []
+    for hidden, layers in shapes:
+        for name, cls in (("titanmac_c", titanmac_c.DeepNestedOptimizer),
+                          ("reference", ReferenceDeepNestedOptimizer)):
+            model = _tiny_titanmac_like(device)
+            opt = cls(model, controller_hidden_dim=hidden, controller_num_layers=layers)
+            rows.append((f"controller {hidden}x{layers}",
+                         f"{name} DeepNestedOptimizer.step (AdamW mode)",
+                         _median_us(lambda: opt.step(1.0), device, steps, warmup=5)))
+    return rows
 
 
 def layout_rows(device, steps):
@@ -109,6 +133,8 @@ def main(argv=None):
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--counts", default="48,1000")
     parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--controllers", default="32x2,1024x4",
+                        help="controller shapes HxL for the controller rows ('' for none)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     torch.set_num_threads(1)  # no OpenMP fork/join in the figure: 4-element tensors
@@ -119,6 +145,9 @@ def main(argv=None):
         rows.append(heap_order_row(count, device, count_steps))
     rows.append(dno_row(device, args.steps))
     rows += layout_rows(device, args.steps)
+    shapes = [tuple(int(n) for n in shape.split("x"))
+              for shape in args.controllers.split(",") if shape]
+    rows += controller_rows(device, max(args.steps // 20, 10), shapes)
     print(f"{'set':>19}  {'step':<50} {'host us':>8}")
     for where, what, us in rows:
         print(f"{where:>19}  {what:<50} {us:>8.1f}")

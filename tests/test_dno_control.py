@@ -14,7 +14,8 @@ import torch
 from conftest import DEVICES
 from titanmac_c import _C
 
-CONTROLLERS = [(32, 2), (32, 5), (7, 1)]  # (hidden H, hidden layers L)
+CONTROLLERS = [(32, 2), (32, 5), (7, 1), (13, 3), (1024, 2)]  # (hidden H, hidden layers L);
+# 13 and 1024: units summed in 8 lanes with a tail of 5 and without one
 REL = dict(rtol=1e-6, atol=0)  # the controller's float32 sums are ordered differently in torch
 F32 = torch.float32
 

@@ -278,16 +278,32 @@ tm_dno_clean(float x)
 }
 
 /* One output unit of a Linear layer, b + sum_k w[k] x[k], then ReLU when relu (torch.relu keeps
- * NaN). Products of floats are exact in double, so the double sum in index order gives the same
- * bits on both backends whether or not it is contracted, and is rounded to float once. */
+ * NaN). Products of floats are exact in double, so a double sum in one fixed order gives the same
+ * bits on both backends whether or not it is contracted, and is rounded to float once. The order:
+ * TM_DNO_LANES partial sums, lane k % TM_DNO_LANES taking the terms k, combined pairwise. One
+ * running sum would be a chain of n dependent adds (a wide controller's 1,024-term units ran at
+ * ~4 cycles a term on the CPU); lanes let the adds overlap, on the GPU's threads too. */
+#define TM_DNO_LANES 8
+
 TM_HOST_DEVICE float
 tm_dno_unit(const float *w, float b, const float *x, int32_t n, int relu)
 {
-    double acc = 0.0;
-    for (int32_t k = 0; k < n; k++) {
-        acc += (double)w[k] * (double)x[k];
+    double acc[TM_DNO_LANES] = {0.0};
+    int32_t k = 0;
+    for (; k + TM_DNO_LANES <= n; k += TM_DNO_LANES) {
+        for (int32_t j = 0; j < TM_DNO_LANES; j++) {
+            acc[j] += (double)w[k + j] * (double)x[k + j];
+        }
     }
-    float y = (float)(acc + (double)b);
+    for (int32_t j = 0; k + j < n; j++) {
+        acc[j] += (double)w[k + j] * (double)x[k + j];
+    }
+    for (int32_t width = TM_DNO_LANES / 2; width > 0; width /= 2) {
+        for (int32_t j = 0; j < width; j++) {
+            acc[j] += acc[j + width];
+        }
+    }
+    float y = (float)(acc[0] + (double)b);
     return (relu && y < 0.0f) ? 0.0f : y;
 }
 
