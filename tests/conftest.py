@@ -5,6 +5,7 @@ reported as skipped (never as passed).
 """
 
 import copy
+import io
 
 import pytest
 import torch
@@ -225,3 +226,27 @@ def expect_refused(opt, params, exc, match, action=None):
                 assert now.device.type == "meta"
                 continue
             assert now.dtype == v.dtype and torch.equal(now, v), f"state {k} changed"
+
+
+def checkpoint_roundtrip(state_dict):
+    """state_dict through torch.save and torch.load, as a checkpoint file takes it."""
+    buf = io.BytesIO()
+    torch.save(state_dict, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+def assert_same_state(a, b, path="state"):
+    """Nested equality of state_dict-like structures, tensors bit for bit."""
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), path
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), path
+        for k in a:
+            assert_same_state(a[k], b[k], f"{path}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same_state(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, path

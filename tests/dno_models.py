@@ -229,3 +229,28 @@ def loss_fn(model, batch):
     if "y" in batch:
         return F.mse_loss(out, batch["y"])
     return F.cross_entropy(out, batch["labels"])
+
+
+def fixed_grads(model, step, frozen_scale=10.0):
+    """Pseudo-random gradients by parameter name, drawn from the step number alone (so twin
+    models get the same ones); those of a layer named 'frozen...' (PartlyFrozen's) are large, so
+    that its norm dominates the clip norm and leaving it out changes every update."""
+    gen = torch.Generator().manual_seed(500 + step)
+    out = {}
+    for name, p in model.named_parameters():
+        g = torch.randn(p.shape, generator=gen)
+        out[name] = g * frozen_scale if name.startswith("frozen") else g
+    return out
+
+
+def set_grads_by_name(model, grads):
+    for name, p in model.named_parameters():
+        p.grad = grads[name].to(p.device).clone()
+
+
+def step_all(step, *pairs):
+    """One step (loss 0.5) of each (model, optimizer) pair on the same fixed_grads."""
+    g = fixed_grads(pairs[0][0], step)
+    for model, opt in pairs:
+        set_grads_by_name(model, g)
+        opt.step(0.5)

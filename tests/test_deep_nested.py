@@ -25,7 +25,7 @@ from torch.optim.optimizer import (register_optimizer_step_post_hook,
 
 import titanmac_c
 from titanmac_c._reference_dno import ReferenceDeepNestedOptimizer
-from conftest import DEVICES, reference_and_ours
+from conftest import DEVICES, checkpoint_roundtrip, reference_and_ours
 from dno_models import loss_fn, make_mlp_10_32_5, make_titanmac_like_model, synthetic_batches
 
 PARAM_TOL = dict(rtol=2e-4, atol=2e-6)
@@ -160,13 +160,6 @@ def test_no_cms_buffers_in_adamw_mode():
     assert sum(t.numel() for t in tensors) == 2 * sum(p.numel() for p in model.parameters()) + 4
 
 
-def _roundtrip(sd):
-    buf = io.BytesIO()
-    torch.save(sd, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=False)
-
-
 def test_resume_is_bitwise_identical():
     """Saved at step 117, after 11 meta-updates (every 10 steps): the controller's proxy loss
     reads the meta-trainer's history from the 10th on, so the resumed run matches only if the
@@ -182,7 +175,7 @@ def test_resume_is_bitwise_identical():
         _one_step(model_a, full, batch, 0)
         if step <= 117:
             _one_step(model_b, part, batch, 0)
-    saved = _roundtrip(part.state_dict())
+    saved = checkpoint_roundtrip(part.state_dict())
     model_c = copy.deepcopy(model_b)
     resumed = titanmac_c.DeepNestedOptimizer(model_c, meta_update_freq=10, weight_decay=0.01)
     resumed.load_state_dict(saved)
@@ -202,11 +195,11 @@ def test_reference_checkpoint_loads_and_continues_like_the_reference():
         _one_step(model_r, ref, batch, 0)
     saved = ref.state_dict()
     model_o.load_state_dict(model_r.state_dict())
-    ours.load_state_dict(_roundtrip(saved))
+    ours.load_state_dict(checkpoint_roundtrip(saved))
     assert ours.global_step == 12
     ref2 = ReferenceDeepNestedOptimizer(copy.deepcopy(model_r), weight_decay=0.01,
                                         meta_update_freq=50)
-    ref2.load_state_dict(_roundtrip(saved))
+    ref2.load_state_dict(checkpoint_roundtrip(saved))
     model_r2 = ref2.model
     for step, batch in enumerate(batches[12:], start=13):
         _one_step(model_r2, ref2, batch, 0)
@@ -214,7 +207,7 @@ def test_reference_checkpoint_loads_and_continues_like_the_reference():
         _compare_state(ref2, ours, model_r2, model_o, step)
     # and ours loads back into the reference
     ref3 = ReferenceDeepNestedOptimizer(copy.deepcopy(model_o), weight_decay=0.01)
-    ref3.load_state_dict(_roundtrip(ours.state_dict()))
+    ref3.load_state_dict(checkpoint_roundtrip(ours.state_dict()))
     assert ref3.global_step == 30
 
 
@@ -362,7 +355,7 @@ def test_resume_between_controller_steps_uses_the_saved_multipliers():
     for batch in batches[:3]:
         _plain_step(model_r, ref, batch)
         _plain_step(model_o, ours, batch)
-    sd = _roundtrip(ours.state_dict())
+    sd = checkpoint_roundtrip(ours.state_dict())
     sd["lr_multipliers"] = torch.tensor([1.5, 0.7])
     for opt in (ref, ours):
         opt.load_state_dict(copy.deepcopy(sd))

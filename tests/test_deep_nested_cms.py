@@ -6,7 +6,6 @@ tolerances: tests/cms_checks.py.
 """
 
 import copy
-import io
 import math
 
 import pytest
@@ -15,7 +14,8 @@ import torch
 import titanmac_c
 from titanmac_c._reference_dno import ReferenceDeepNestedOptimizer
 from cms_checks import NAN_GRAD_STEP, cms_pair, cms_step, compare_cms
-from conftest import DEVICES, STATE_NMSE, RecordHostReads, sync_cms_from_reference
+from conftest import (DEVICES, STATE_NMSE, RecordHostReads, checkpoint_roundtrip,
+                      sync_cms_from_reference)
 from dno_models import loss_fn, make_mlp_10_32_5, synthetic_batches
 
 
@@ -327,13 +327,6 @@ def test_meta_proxy_loss_in_cms_mode(preprocessing, model):
     assert compared >= 4  # meta-updates with the proxy loss active
 
 
-def _roundtrip(sd):
-    buf = io.BytesIO()
-    torch.save(sd, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=False)
-
-
 @pytest.mark.parametrize("preprocessing", [True, False], ids=["direct", "legacy"])
 def test_resume_mid_period_is_bitwise(preprocessing):
     """state_dict at step 55 (between level-1 and level-2 firings), reload, continue: bitwise
@@ -352,7 +345,7 @@ def test_resume_mid_period_is_bitwise(preprocessing):
         cms_step(model_a, full, batch, step, inject=False)
         if step <= 55:
             cms_step(model_b, part, batch, step, inject=False)
-    saved = _roundtrip(part.state_dict())
+    saved = checkpoint_roundtrip(part.state_dict())
     model_c = copy.deepcopy(model_b)
     resumed = titanmac_c.DeepNestedOptimizer(model_c, **kw)
     resumed.load_state_dict(saved)
@@ -380,7 +373,7 @@ def test_a_state_dict_loaded_in_memory_is_copied():
     for step, batch in enumerate(batches[:6], start=1):
         cms_step(model_a, source, batch, step, inject=False)
     loaded.load_state_dict(source.state_dict())
-    as_loaded = _roundtrip(loaded.state_dict())
+    as_loaded = checkpoint_roundtrip(loaded.state_dict())
     for step, batch in enumerate(batches[6:], start=7):  # Phase 1 and meta-updates at 10, 15
         cms_step(model_a, source, batch, step, inject=False)
     now = loaded.state_dict()
@@ -396,7 +389,7 @@ def test_checkpoints_load_both_ways_with_the_reference():
         cms_step(model_r, ref, batch, step, inject=False)
     saved = ref.state_dict()
     model_o.load_state_dict(model_r.state_dict())
-    ours.load_state_dict(_roundtrip(saved))
+    ours.load_state_dict(checkpoint_roundtrip(saved))
     # not in checkpoints (the reference's either): carried over, keyed as ours keys it
     ours._mlp_output_history = {ours._cms.index[po]: ref._mlp_output_history[id(pr)].clone()
                                 for pr, po in zip(model_r.parameters(), model_o.parameters())
@@ -406,7 +399,7 @@ def test_checkpoints_load_both_ways_with_the_reference():
         cms_step(model_o, ours, batch, step, inject=False)
         compare_cms(ref, ours, model_r, model_o, step)
     back = ReferenceDeepNestedOptimizer(copy.deepcopy(model_o), use_cms_updates=True)
-    back.load_state_dict(_roundtrip(ours.state_dict()))
+    back.load_state_dict(checkpoint_roundtrip(ours.state_dict()))
     assert back.global_step == 30
     for p_back, p_ours in zip(back.model.parameters(), model_o.parameters()):
         for level, lvl in enumerate(back.state[p_back].levels):
@@ -421,7 +414,7 @@ def test_an_older_checkpoint_without_ema_grad_and_v_sq_loads_them_as_zeros():
     for step, batch in enumerate(batches[:3], start=1):
         cms_step(model_r, ref, batch, step, inject=False)
         cms_step(model_o, ours, batch, step, inject=False)
-    old = _roundtrip(ours.state_dict())
+    old = checkpoint_roundtrip(ours.state_dict())
     for levels in old["cms_state"].values():
         for saved in levels.values():
             del saved["ema_grad"], saved["v_sq"]
@@ -459,7 +452,7 @@ def test_state_keeps_2k_plus_1_buffers_and_checkpoints_keep_the_reference_layout
     batches = synthetic_batches("mlp", 25, seed=11)
     for step, batch in enumerate(batches[:15], start=1):
         cms_step(model_o, ours, batch, step, inject=False)
-    saved = _roundtrip(ours.state_dict())
+    saved = checkpoint_roundtrip(ours.state_dict())
     grouped = [p for g in ours.base_optimizer.param_groups for p in g["params"]]
     for i, p in enumerate(grouped):  # cms_state is indexed in group order
         for level in range(k):
