@@ -5,9 +5,9 @@ For each shape set it times
   - clip + AdamW: titanmac_c (AdamW.clip_grad_norm_ + step: the coefficient is folded into the
     update) vs torch.nn.utils.clip_grad_norm_ (foreach) + fused AdamW;
   - amp + AdamW: scaler.step(opt) + scaler.update() of a torch.amp.GradScaler (scale 1, so the
-    gradients keep their values from step to step): titanmac_c and fused AdamW take the scale
-    and inf flag in the update (no host read), foreach AdamW takes GradScaler's ordinary path
-    (unscale_, then a host read of the inf flag);
+    gradients keep their values from step to step): titanmac_c and torch's AdamW with
+    fused=True take the scale and inf flag in the update (no host read), foreach AdamW takes
+    GradScaler's ordinary path (unscale_, then a host read of the inf flag);
   - stats + clip + AdamW (CUDA): per-group gradient and parameter norms, global clip, AdamW, as
     the DeepNestedOptimizer needs them: titanmac_c (group_norms + clip + step, three calls) vs
     torch's best composition (_foreach_norm statistics + clip_grad_norm_(foreach=True) + fused
@@ -116,8 +116,8 @@ def make_case(params, kind):
     big = [p for p in params if p.numel() >= 4096]
     small = [p for p in params if p.numel() < 4096]
     groups = [{"params": big}, {"params": small}] if small and big else [{"params": params}]
-    if kind == "titanmac_c":
-        opt = titanmac_c.AdamW(groups, lr=1e-3, weight_decay=0.01)
+    if kind == "titanmac_c":  # fused=True: GradScaler hands it the scale (the amp op)
+        opt = titanmac_c.AdamW(groups, lr=1e-3, weight_decay=0.01, fused=True)
     else:
         flags = {"torch_forloop": dict(foreach=False), "torch_foreach": dict(foreach=True),
                  "torch_fused": dict(fused=True)}[kind]

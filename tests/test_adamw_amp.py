@@ -1,7 +1,10 @@
-"""titanmac_c.AdamW under torch.amp.GradScaler against torch's fused AdamW, which also takes the
-scaler's grad_scale and found_inf (_step_supports_amp_scaling): parameters, state, step counts,
-the gradients left after each step and the scaler's scale, step by step, with overflowing
-steps skipped on the device. And the C core's store_scaled_grads, which carries it."""
+"""titanmac_c.AdamW(fused=True) under torch.amp.GradScaler against torch's fused AdamW, which also
+takes the scaler's grad_scale and found_inf (_step_supports_amp_scaling): parameters, state, step
+counts, the gradients left after each step and the scaler's scale, step by step, with
+overflowing steps skipped on the device. And the C core's store_scaled_grads, which carries it.
+Without fused=True, GradScaler's ordinary path, as for torch's default AdamW."""
+
+import copy
 
 import pytest
 import torch
@@ -51,8 +54,9 @@ def assert_same_run(ours, theirs, params_a, params_b, scalers, tolerance):
     assert scalers[0].get_scale() == scalers[1].get_scale()
     for pa, pb in zip(params_a, params_b):
         torch.testing.assert_close(pa.detach(), pb.detach(), **tolerance)
-        # the gradients as torch leaves them: unscaled, or untouched on a skipped step
-        assert torch.equal(pa.grad, pb.grad)
+        # the gradients as torch leaves them: unscaled, or untouched on a skipped step (NaN
+        # where a clip after unscale_ scaled an Inf by 0)
+        torch.testing.assert_close(pa.grad, pb.grad, rtol=0, atol=0, equal_nan=True)
         sa, sb = ours.state[pa], theirs.state[pb]
         assert float(sa["step"]) == float(sb["step"])
         for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
@@ -75,7 +79,7 @@ def test_grad_scaler_matches_torch_fused(device, dtype, unscale):
     def groups(ps):
         return [{"params": ps[::2], "lr": 1e-2}, {"params": ps[1::2], "amsgrad": True}]
 
-    ours = titanmac_c.AdamW(groups(params_a), lr=3e-3, weight_decay=0.1)
+    ours = titanmac_c.AdamW(groups(params_a), lr=3e-3, weight_decay=0.1, fused=True)
     theirs = torch.optim.AdamW(groups(params_b), lr=3e-3, weight_decay=0.1, fused=True)
     before = (lambda opt, scaler: scaler.unscale_(opt)) if unscale else None
     skipped = 0
@@ -92,7 +96,7 @@ def test_grad_scaler_with_unscale_and_folded_clip(device):
     from unscale_, clip_grad_norm_ and its step (the gradients keep their unclipped values)."""
     params_a = make_params([3, 4097], device)
     params_b = clone_params(params_a)
-    ours = titanmac_c.AdamW(params_a, lr=1e-2)
+    ours = titanmac_c.AdamW(params_a, lr=1e-2, fused=True)
     theirs = torch.optim.AdamW(params_b, lr=1e-2, fused=True)
 
     def unscale_and_clip(opt, scaler):
@@ -113,7 +117,8 @@ def test_grad_scaler_step_reads_nothing_on_the_host():
     where it costs nothing, for the CUDA path it stands for); torch's non-fused AdamW, which
     takes GradScaler's ordinary path, reads found_inf."""
     counts = []
-    for opt_class, kw in ((titanmac_c.AdamW, {}), (torch.optim.AdamW, {"foreach": True})):
+    for opt_class, kw in ((titanmac_c.AdamW, {"fused": True}),
+                          (torch.optim.AdamW, {"foreach": True})):
         params = make_params([3, 4097])
         opt = opt_class(params, lr=1e-2, **kw)
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
@@ -130,13 +135,43 @@ def test_grad_scaler_step_reads_nothing_on_the_host():
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("unscale", [False, True])
+def test_without_fused_grad_scaler_steps_ours_as_torchs_default(device, unscale):
+    """fused=None or False, as with torch's AdamW: GradScaler unscales the gradients, reads the inf
+    flag and calls step() only when it is clear (its ordinary path), so a framework that clips
+    under mixed precision unless the optimizer takes the scale itself (Lightning) clips ours
+    too. Against torch's default AdamW, with unscale_ and torch's clip before the step or
+    without; and the protocol attribute as torch sets it, also on a copy."""
+    for fused in (None, False, True):
+        mine = titanmac_c.AdamW(make_params([3], device), fused=fused)
+        torchs = torch.optim.AdamW(make_params([3], device), fused=fused)
+        for opt in (mine, copy.deepcopy(mine)):
+            assert getattr(opt, "_step_supports_amp_scaling", False) == bool(fused)
+        assert getattr(torchs, "_step_supports_amp_scaling", False) == bool(fused)
+    params_a = make_params([1, 255, 4097], device)
+    params_b = clone_params(params_a)
+    ours = titanmac_c.AdamW(params_a, lr=1e-2, weight_decay=0.1)
+    theirs = torch.optim.AdamW(params_b, lr=1e-2, weight_decay=0.1)
+
+    def unscale_and_clip(opt, scaler):
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(params_a if opt is ours else params_b, 5.0)
+
+    before = unscale_and_clip if unscale else None
+    for _, scalers in run_both(device, params_a, params_b, ours, theirs, before):
+        assert not hasattr(ours, "grad_scale") and not hasattr(ours, "found_inf")
+        assert_same_run(ours, theirs, params_a, params_b, scalers, tol(torch.float32, device))
+    assert float(ours.state[params_a[0]]["step"]) == STEPS - len(OVERFLOW_STEPS)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_gradient_in_another_layout_is_left_unscaled(device):
     """A gradient in another memory layout than its parameter is taken as a copy; the unscaled
     values reach .grad all the same. Against torch's foreach AdamW (GradScaler's ordinary path):
     torch 2.13's fused CPU kernel pairs such a gradient with the parameter by memory order."""
     w_a = torch.nn.Parameter(torch.randn(4, 6, 5, 5, device=device))
     w_b = torch.nn.Parameter(w_a.detach().clone())
-    ours = titanmac_c.AdamW([w_a], lr=1e-2)
+    ours = titanmac_c.AdamW([w_a], lr=1e-2, fused=True)
     theirs = torch.optim.AdamW([w_b], lr=1e-2, foreach=True)
     for opt, w in ((ours, w_a), (theirs, w_b)):
         scaler = torch.amp.GradScaler(torch.device(device).type, init_scale=2.0 ** 6)
@@ -152,7 +187,7 @@ def test_gradient_in_another_layout_is_left_unscaled(device):
 
 def test_bad_grad_scale_is_refused_before_any_write():
     params = make_params([3, 7])
-    opt = titanmac_c.AdamW(params, lr=1e-2)
+    opt = titanmac_c.AdamW(params, lr=1e-2, fused=True)
     for p in params:
         p.grad = torch.ones_like(p)
     before = [p.detach().clone() for p in params]
@@ -178,7 +213,7 @@ def test_a_refused_scaler_step_leaves_no_stale_scale_behind():
     """GradScaler deletes grad_scale and found_inf only after a step that returned: a refused
     one must not leave them for the next step to multiply the next scale into."""
     p = torch.nn.Parameter(torch.zeros(4))
-    opt = titanmac_c.AdamW([p], lr=1e-2)
+    opt = titanmac_c.AdamW([p], lr=1e-2, fused=True)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
     scaler.scale(torch.ones(()))
     p.grad = torch.full((4,), 2.0 ** 10)
@@ -199,7 +234,7 @@ def test_parameters_sharing_one_gradient_are_refused_by_name():
     """Two parameters given one gradient tensor: unscaling it in place twice at once would race
     (torch divides it twice in turn). Refused, nothing written."""
     params = [torch.nn.Parameter(torch.zeros(64)) for _ in range(2)]
-    opt = titanmac_c.AdamW(params, lr=1e-2)
+    opt = titanmac_c.AdamW(params, lr=1e-2, fused=True)
     scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
     scaler.scale(torch.ones(()))
     grad = torch.full((64,), 8.0)
@@ -218,7 +253,8 @@ def test_gradients_that_cannot_take_the_unscaled_values_back():
     written, as the C core writes one in place."""
     w = torch.nn.Parameter(torch.randn(5, 3).t())
     v = torch.nn.Parameter(torch.randn(8))
-    opt = titanmac_c.AdamW([{"params": [v]}, {"params": [w], "amsgrad": True}], lr=1e-2)
+    opt = titanmac_c.AdamW([{"params": [v]}, {"params": [w], "amsgrad": True}], lr=1e-2,
+                           fused=True)
     before = [w.detach().clone(), v.detach().clone()]
     v.grad = torch.full((8,), 8.0)
     w.grad = torch.full((1, 1), 8.0).expand(3, 5)

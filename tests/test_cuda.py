@@ -41,10 +41,11 @@ def test_no_host_sync_in_clip_and_step(clip):
 
 @pytest.mark.parametrize("unscale", [False, True])
 def test_grad_scaler_step_does_not_sync(unscale):
-    """scaler.step(opt) + update(), with an overflowing step among them: no host read (torch's
-    ordinary GradScaler path reads the inf flag on the host every step)."""
+    """scaler.step(opt) + update() of AdamW(fused=True), with an overflowing step among them: no
+    host read (GradScaler's ordinary path, which it takes without fused=True as for torch's
+    default AdamW, reads the inf flag on the host every step)."""
     params = make_params(SIZES, "cuda")
-    opt = titanmac_c.AdamW(params, lr=1e-3, weight_decay=0.01)
+    opt = titanmac_c.AdamW(params, lr=1e-3, weight_decay=0.01, fused=True)
     scaler = torch.amp.GradScaler("cuda", init_scale=2.0 ** 10)
     before = None
     for step in range(5):

@@ -419,6 +419,54 @@ def test_a_clip_coefficient_applies_to_the_next_step_only(device):
                                            msg=lambda m: f"step {step} {key}[{i}]: {m}")
 
 
+class _DictCopyingWrapper:
+    """An optimizer wrapper as Lightning's LightningOptimizer and Fabric's optimizer build one:
+    a subclass of the optimizer's class holding a shallow copy of its __dict__, whose step()
+    calls the wrapped optimizer's; other methods (clip_grad_norm_, zero_grad) run on the
+    wrapper itself."""
+
+    def __init__(self, optimizer):
+        self.__class__ = type("Wrapped" + type(optimizer).__name__,
+                              (type(self), type(optimizer)), {})
+        self.__dict__ = dict(optimizer.__dict__)
+        self._wrapped = optimizer
+
+    def step(self, closure=None):
+        return self._wrapped.step(closure)
+
+
+def test_a_clip_through_a_wrapper_that_copies_the_optimizers_dict_is_applied():
+    """clip_grad_norm_ and zero_grad called on such a wrapper act on the wrapped optimizer's
+    pending coefficient (a user trial: under Lightning's manual optimization the folded clip
+    was dropped and the model trained unclipped), matching torch's clip + AdamW: clipped at
+    steps 0, 1 (the cached plan's) and 3, at step 2 clipped then zeroed through the wrapper and
+    given new gradients (unclipped, as torch's clipped ones are gone), and across a load of a
+    checkpoint."""
+    params_a = make_params(SIZES[:4], "cpu", misaligned=False)
+    params_b = clone_params(params_a)
+    # eps near the clipped gradients' size: Adam's update is then far from scale-invariant, so
+    # an unclipped step lands far off
+    inner = titanmac_c.AdamW(params_a, lr=1e-2, eps=1e-2, weight_decay=0.01)
+    ours = _DictCopyingWrapper(inner)
+    theirs = torch.optim.AdamW(params_b, lr=1e-2, eps=1e-2, weight_decay=0.01)
+    for step in range(5):
+        set_grads(params_a, params_b, step)  # norm ~ sqrt(4356): clipped to 0.5
+        if step != 4:
+            ours.clip_grad_norm_(0.5)
+            torch.nn.utils.clip_grad_norm_(params_b, 0.5)
+        if step == 2:
+            ours.zero_grad()
+            theirs.zero_grad()
+            set_grads(params_a, params_b, 10 + step)
+        if step == 3:
+            inner.load_state_dict(inner.state_dict())
+        ours.step()
+        theirs.step()
+        for i, (a, b) in enumerate(zip(params_a, params_b)):
+            torch.testing.assert_close(a, b, **tol(torch.float32, "cpu"),
+                                       msg=lambda m: f"step {step} params[{i}]: {m}")
+
+
 @pytest.mark.parametrize("how", ["pickle", "deepcopy"])
 def test_a_pickled_or_deep_copied_optimizer_keeps_stepping_like_torch(how):
     """A copy of a stepped optimizer (pickle round trip or copy.deepcopy, which rebuild it

@@ -22,6 +22,27 @@ from .functional import (
 )
 
 
+class PendingClip:
+    """The coefficient AdamW.clip_grad_norm_ leaves for the next step(): coef, {device: [1]
+    coefficient tensor} (empty when none is pending), and mark, the GradientMark of the
+    gradients it serves. One object per optimizer, changed in place and never replaced between
+    loads: wrappers that copy the optimizer's __dict__ and call its methods on themselves
+    (Lightning's LightningOptimizer, Fabric's optimizer) then set the coefficient that the
+    wrapped optimizer's own step() reads, where an attribute assigned on the wrapper would be
+    lost and the step would run unclipped."""
+
+    __slots__ = ("coef", "mark")
+
+    def __init__(self):
+        self.coef, self.mark = {}, None
+
+    def set(self, coef, mark):
+        self.coef, self.mark = {coef.device: coef}, mark
+
+    def clear(self):
+        self.coef, self.mark = {}, None
+
+
 def given_total_norm(total_norm, device, dtype):
     """clip_grad_norm_'s total_norm as a one-element floating tensor on the gradients' device
     (a number becomes one of dtype, the gradients' compute dtype); its dtype is the result's."""

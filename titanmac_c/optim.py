@@ -18,7 +18,7 @@ from ._adamw_state import check_loaded_state, init_state, normalize_steps
 from ._amp import AmpScaling
 from ._distributed import dtensor_type
 from ._flat import Batch, Plan
-from ._folded_clip import folded_clip
+from ._folded_clip import PendingClip, folded_clip
 from ._grad_mark import GradientMark
 from .functional import _scale_grads
 from ._runtime import (
@@ -37,23 +37,22 @@ from ._runtime import (
 class AdamW(Optimizer):
     """Drop-in for torch.optim.AdamW (same arguments, defaults, state keys and state_dict).
 
-    foreach, capturable and fused are accepted for compatibility and change nothing: there is one
-    fused path. differentiable=True is refused. Parameters: float32, bfloat16, float16, float64
+    foreach and capturable are accepted for compatibility and change nothing: there is one fused
+    path; fused=True changes only how torch.amp.GradScaler steps it (below), as it does torch's.
+    differentiable=True is refused. Parameters: float32, bfloat16, float16, float64
     (computed in double) and complex64/complex128 (stepped as their real views, as torch's).
 
     Beyond torch: clip_grad_norm_(max_norm) computes the total gradient norm and folds the clip
     coefficient into the next step() (the gradients are scaled as the update loads them), which
     saves a pass over the gradients compared with clip_grad_norm_ followed by step().
 
-    torch.amp.GradScaler: like torch's fused AdamW, step() reads the scaler's grad_scale and
-    found_inf attributes (_step_supports_amp_scaling): a step whose gradients overflowed is
-    skipped on the device, and gradients not yet unscaled are unscaled as the update loads them
-    and stored back unscaled. scaler.step(optimizer) then never reads the flag on the host.
+    torch.amp.GradScaler: built with fused=True, like torch's fused AdamW, step() reads the
+    scaler's grad_scale and found_inf attributes (_step_supports_amp_scaling): a step whose
+    gradients overflowed is skipped on the device, and gradients not yet unscaled are unscaled as
+    the update loads them and stored back unscaled; scaler.step(optimizer) then never reads the
+    flag on the host. Otherwise GradScaler unscales the gradients and reads the flag itself, as
+    for torch's default AdamW.
     """
-
-    # torch.amp.GradScaler sets grad_scale and found_inf on the optimizer and calls step()
-    # instead of reading found_inf on the host itself (see AmpScaling)
-    _step_supports_amp_scaling = True
 
     def __init__(
         self,
@@ -108,9 +107,13 @@ class AdamW(Optimizer):
         self._scratch = Scratch()
         self._scratch_bytes = {}  # (device, amsgrad, count) -> bytes the C core asked for
         self._hparams = Hyperparameters()  # the groups' values as each step hands them over
-        self._clip_coef = {}  # device -> [1] coefficient (float32; float64) for the next step()
-        self._clip_mark = None  # _flat.GradientMark of the gradients the coefficient is for
+        self._pending_clip = PendingClip()  # clip_grad_norm_'s coefficient for the next step()
         self._plan = None  # _flat.Plan of the last full step, when it can be reused
+        # GradScaler hands grad_scale and found_inf to step() (AmpScaling) instead of unscaling
+        # and reading found_inf on the host only for an optimizer that says so: as torch's, one
+        # built with fused=True. Frameworks that refuse to clip such an optimizer under mixed
+        # precision (Lightning) then treat ours as torch's of the same arguments
+        self._step_supports_amp_scaling = bool(self.defaults.get("fused"))
 
     def __setstate__(self, state):
         super().__setstate__(state)
@@ -143,20 +146,20 @@ class AdamW(Optimizer):
         # a pending clip_grad_norm_ coefficient stays: its gradients are unchanged, as torch's
         # clipped-in-place gradients survive a load (torch's load resets the caches through
         # __setstate__)
-        clip_coef, clip_mark = self._clip_coef, self._clip_mark
+        pending_clip = self._pending_clip  # the object itself: wrappers share it (PendingClip)
         try:
             super().load_state_dict(state_dict)
         finally:
             if hooks:
                 self._optimizer_load_state_dict_pre_hooks = hooks
         normalize_steps(self, copy=True)
-        self._clip_coef, self._clip_mark = clip_coef, clip_mark
+        self._pending_clip = pending_clip
         self._plan = None
 
     # ------------------------------------------------------------------ stepping
 
     def zero_grad(self, set_to_none: bool = True):
-        self._clip_coef = {}
+        self._pending_clip.clear()
         super().zero_grad(set_to_none)
 
     @eager_only
@@ -176,12 +179,11 @@ class AdamW(Optimizer):
         result, coef, planned = folded_clip(self, max_norm, norm_type, error_if_nonfinite,
                                             total_norm)
         if coef is None:  # no gradient
-            self._clip_coef = {}
+            self._pending_clip.clear()
             return result
-        self._clip_coef = {coef.device: coef}
         # the plan's gradients, read once for the norm and the mark (~65 ns a gradient each)
         mark = None if planned is None else GradientMark.of_planned(self._plan.owners, planned)
-        self._clip_mark = mark or GradientMark.of(self.param_groups)
+        self._pending_clip.set(coef, mark or GradientMark.of(self.param_groups))
         return result
 
     @eager_only
@@ -216,8 +218,9 @@ class AdamW(Optimizer):
 
     def _fused_step_impl(self, lr, grad_scale, skip, zero_grads_on_skip, amp, planned_grads):
         marked = None  # the gradients the clip coefficient is for, as read now
-        if self._clip_coef and self._clip_mark is not None:
-            marked = self._clip_mark.current()
+        pending = self._pending_clip
+        if pending.coef and pending.mark is not None:
+            marked = pending.mark.current()
             if marked is None:
                 self._apply_clip_to_kept_gradients()
         args = (lr, grad_scale, skip, zero_grads_on_skip, amp)
@@ -237,7 +240,7 @@ class AdamW(Optimizer):
         for batch in batches:
             self._run_batch(batch, groups, lrs, *args)
         self.state.update(new_state)
-        self._clip_coef = {}
+        self._pending_clip.clear()
         n_params = sum(len(g["params"]) for g in self.param_groups)
         if len(batches) == 1 and len(batches[0].params) == n_params and not batches[0].no_plan:
             self._plan = Plan(self, batches[0])
@@ -248,16 +251,16 @@ class AdamW(Optimizer):
         them in place, so what replaced them is not clipped, while the gradients left as they
         were stay clipped. So those are scaled now, in place, and the step takes no
         coefficient."""
-        (device, coef), = self._clip_coef.items()
-        self._clip_coef = {}
-        kept = [memory_real_view(g) for g in self._clip_mark.kept_gradients()]
+        (device, coef), = self._pending_clip.coef.items()
+        kept = [memory_real_view(g) for g in self._pending_clip.mark.kept_gradients()]
+        self._pending_clip.clear()
         if kept:
             _scale_grads(device, list(range(len(kept))), kept, coef)
 
     def _run_batch(self, batch, groups, lrs, lr, grad_scale, skip, zero_grads_on_skip, amp):
         if lr is None:
             lr = self._hparams.lr_tensor(batch.device, lrs, batch.lr_dtype)
-        scale = grad_scale if grad_scale is not None else self._clip_coef.get(batch.device)
+        scale = grad_scale if grad_scale is not None else self._pending_clip.coef.get(batch.device)
         loss_scale = None
         if amp is not None:
             loss_scale, found_inf = amp.inputs(batch.device)
@@ -290,7 +293,7 @@ class AdamW(Optimizer):
         if plan is not None and plan.matches(self):
             if planned_grads is not None:
                 grads = planned_grads
-            elif marked is not None and self._clip_mark.params is plan.owners:
+            elif marked is not None and self._pending_clip.mark.params is plan.owners:
                 grads = marked
             else:
                 grads = plan.grads()
@@ -307,7 +310,7 @@ class AdamW(Optimizer):
             return False  # validated before any write: the full path repeats it with names
         finally:
             plan.batch.release()
-        self._clip_coef = {}
+        self._pending_clip.clear()
         self._plan = plan
         return True
 
