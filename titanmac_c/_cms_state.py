@@ -135,16 +135,8 @@ class CMSState:
                     value = saved.get(name)
                     if value is None and name in ("momentum", "accumulated_grad"):
                         raise ValueError(f"cms_state[{i}][{level}]: no {name!r}")
-                    if value is not None and (
-                            not torch.is_tensor(value) or value.shape != shape
-                            or value.device.type == "meta" or value.layout != torch.strided
-                            or not value.is_floating_point()):
-                        got = (type(value).__name__ if not torch.is_tensor(value) else
-                               f"{tuple(value.shape)} {value.dtype} {value.layout} on "
-                               f"{value.device}")
-                        raise ValueError(f"cms_state[{i}][{level}][{name!r}]: {got}, expected a "
-                                         f"dense floating tensor of shape {tuple(shape)} with "
-                                         "values")
+                    if value is not None:
+                        check_dense_float(f"cms_state[{i}][{level}][{name!r}]", value, shape)
 
     @torch.no_grad()
     def reset(self):
@@ -170,6 +162,17 @@ class CMSState:
                         buf = self.buffers[name][level][i]
                         buf.copy_(value if value is not None else torch.zeros_like(buf))
                 self.step_counts[i][level] = float(saved.get("step_count", 0))
+
+
+def check_dense_float(where, value, shape):
+    """Raises ValueError naming `where` unless value is a dense floating tensor of `shape` with
+    values (not on the meta device): a checkpoint's state tensor that can be copied in."""
+    if (not torch.is_tensor(value) or value.shape != shape or value.device.type == "meta"
+            or value.layout != torch.strided or not value.is_floating_point()):
+        got = (type(value).__name__ if not torch.is_tensor(value) else
+               f"{tuple(value.shape)} {value.dtype} {value.layout} on {value.device}")
+        raise ValueError(f"{where}: {got}, expected a dense floating tensor of shape "
+                         f"{tuple(shape)} with values")
 
 
 def _check_count(name, count):

@@ -7,12 +7,13 @@ meta-update and Phase 1 step, so a resume is exact; the reference's load ignores
 checkpoint without them leaves ours' histories as they are, as the reference's load does."""
 
 import copy
-import numbers
 
 import torch
 
+from ._cms_state import check_dense_float
 from ._dno_args import as_int
 from ._reference_dno import N_GROUPS
+from ._runtime import is_one_number
 
 _META_HISTORIES = ("loss_history", "multiplier_history", "momentum_history")
 _COMPILED_PREFIX = "_orig_mod."  # torch.compile's wrapper names the wrapped module so
@@ -64,9 +65,7 @@ def _checked_meta_histories(meta, window, device):
             where = f"state_dict['meta_trainer'][{name!r}][{j}]"
             if name == "multiplier_history":
                 values[j] = _checked_tensor(where, value, (N_GROUPS,), device)
-            elif isinstance(value, (bool, str, bytes)) or not isinstance(
-                    value, (numbers.Real, torch.Tensor)) or torch.is_tensor(value) and (
-                    value.numel() != 1 or value.device.type == "meta"):
+            elif not is_one_number(value):
                 raise ValueError(f"{where}: {value!r}, expected a number")
             else:
                 values[j] = float(value)
@@ -92,13 +91,7 @@ def _checked_outputs(outputs, params, device):
 
 def _checked_tensor(where, value, shape, device):
     """A float32 copy on `device` of a dense floating tensor of `shape`, else ValueError."""
-    if (not torch.is_tensor(value) or tuple(value.shape) != shape
-            or value.layout != torch.strided or value.device.type == "meta"
-            or not value.is_floating_point()):
-        got = (type(value).__name__ if not torch.is_tensor(value) else
-               f"{tuple(value.shape)} {value.dtype} {value.layout} on {value.device}")
-        raise ValueError(f"{where}: {got}, expected a dense floating tensor of shape {shape} "
-                         "with values")
+    check_dense_float(where, value, shape)
     return value.detach().to(device, torch.float32, copy=True)
 
 
@@ -187,11 +180,10 @@ class CheckpointMixin:
         meta = state_dict.get("meta_trainer")
         if meta is not None:
             meta = _checked_meta_histories(meta, self.meta_trainer.window_size, self.device)
-        outputs = state_dict.get("mlp_output_history")
-        if outputs is not None and self._cms is not None:
+        # AdamW mode has no Phase 1: ignored there, as cms_state is
+        outputs = state_dict.get("mlp_output_history") if self._cms is not None else None
+        if outputs is not None:
             outputs = _checked_outputs(outputs, self._cms.params, self.device)
-        elif outputs is not None:
-            outputs = None  # AdamW mode has no Phase 1 (as cms_state, ignored there)
         return meta, outputs
 
     def _module_state(self, module):

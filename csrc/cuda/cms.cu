@@ -28,11 +28,11 @@ cms_stats_level(const cms_meta &meta, const cms_params &p, int32_t s, int64_t st
     const float *acc = cms_state(meta, CMS_ROLE_ACC, l, s);
     const float scale = p.grad_scale != NULL ? p.grad_scale[0] : 1.0f;
     const double km = m[0];
-    const double kg = tm_fdiv(cms_acc_grad(meta, s, 0, scale, acc[0]), p.c.div[l]);
+    const double kg = cms_level_grad(meta, s, 0, scale, acc[0], p.c.div[l]);
     for (int32_t k = threadIdx.x; k < len; k += blockDim.x) {
         const int64_t i = start + k;
         const double x = m[i];
-        const double g = tm_fdiv(cms_acc_grad(meta, s, i, scale, acc[i]), p.c.div[l]);
+        const double g = cms_level_grad(meta, s, i, scale, acc[i], p.c.div[l]);
         v[0] += x - km;
         v[1] += (x - km) * (x - km);
         v[2] += x * x;
@@ -77,7 +77,7 @@ cms_update_elem(const cms_meta &meta, const cms_params &p, const tm_cms_direct_n
 {
     float *m = cms_state(meta, CMS_ROLE_M, l, s) + i;
     float *acc = cms_state(meta, CMS_ROLE_ACC, l, s) + i;
-    const float gh = tm_fdiv(cms_acc_grad(meta, s, i, scale, *acc), p.c.div[l]);
+    const float gh = cms_level_grad(meta, s, i, scale, *acc, p.c.div[l]);
     float *ema = cms_state(meta, CMS_ROLE_EMA, l, s); /* NULL: not kept */
     float *vsq = cms_state(meta, CMS_ROLE_VSQ, l, s);
     tm_cms_ema_elem(ema != NULL ? ema + i : NULL, vsq != NULL ? vsq + i : NULL, gh, &p.c, l);
@@ -179,14 +179,14 @@ cms_apply_elem(const cms_meta &meta, const cms_params &p, const tm_cms_level_out
     }
     const int dt = meta.dtype[s];
     void *pp = meta.ptr[CMS_IDX_PARAM][s];
+    float v = tm_fdiv(u, tv.n_ok > 1 ? tv.sqrt_n : 1.0f);
     if (dt == TM_FLOAT64) { /* in double, the float32 rate widened (tm_cms_apply_wide) */
         double *pd = (double *)pp;
-        pd[i] = tm_cms_apply_wide(pd[i], tm_fdiv(u, tv.n_ok > 1 ? tv.sqrt_n : 1.0f), alpha_wide,
-                                  p.c.weight_decay_wide, p.c.weight_decay > 0.0f);
+        pd[i] = tm_cms_apply_wide(pd[i], v, alpha_wide, p.c.weight_decay_wide,
+                                  p.c.weight_decay > 0.0f);
         return;
     }
     const float pv = cms_load(pp, i, dt);
-    float v = tm_fdiv(u, tv.n_ok > 1 ? tv.sqrt_n : 1.0f);
     if (p.c.weight_decay > 0.0f) {
         v = tm_fadd(v, cms_round(tm_fmul(p.c.weight_decay, pv), dt));
     }

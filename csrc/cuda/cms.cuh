@@ -115,6 +115,13 @@ cms_acc_grad(const cms_meta &meta, int32_t s, int64_t i, float scale, float acc)
     return tm_fadd(acc, cms_grad(meta, s, i, scale));
 }
 
+/* g^ of element i: (A + g) / div, the accumulate, then the clone's division. */
+static __device__ __forceinline__ float
+cms_level_grad(const cms_meta &meta, int32_t s, int64_t i, float scale, float acc, float div)
+{
+    return tm_fdiv(cms_acc_grad(meta, s, i, scale, acc), div);
+}
+
 static __device__ __forceinline__ float *
 cms_state(const cms_meta &meta, int role, int level, int32_t s)
 {

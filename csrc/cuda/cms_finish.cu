@@ -101,9 +101,8 @@ cms_coeffs_kernel(const __grid_constant__ cms_meta meta, const __grid_constant__
             const float *m = cms_state(meta, CMS_ROLE_M, l, s);
             const float *acc = cms_state(meta, CMS_ROLE_ACC, l, s);
             const float km = numel > 0 ? m[0] : 0.0f;
-            const float kg = numel > 0 ? tm_fdiv(cms_acc_grad(meta, s, 0, scale, acc[0]),
-                                                 cms_level_div(p.c, l))
-                                       : 0.0f;
+            const float kg =
+                numel > 0 ? cms_level_grad(meta, s, 0, scale, acc[0], cms_level_div(p.c, l)) : 0.0f;
             tm_cms_stats(v, km, numel, in);
             tm_cms_stats(v + 3, kg, numel, in + 3);
             tm_cms_legacy_coeffs(&p.lv[(int64_t)meta.index[s] * p.c.levels + l], w, p.hidden,
