@@ -230,6 +230,45 @@ def test_clip_then_step_method_matches_torch_clip_and_adamw():
                                    rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("late", ["group_added", "appended", "unfrozen"])
+def test_a_gradient_the_clip_did_not_see_is_not_clipped_like_torchs(late):
+    """A parameter that gets its gradient after AdamW.clip_grad_norm_ and before the step: in a
+    param group added then ("group_added"), appended to a group's list then ("appended"), or
+    grouped from the start but without a gradient at the clip ("unfrozen"). torch's clip scaled
+    only the gradients it saw, so the late one steps unclipped; ours multiplied the pending
+    coefficient into every gradient of the step. Steps 0-1 without it (the plan's path), step 2
+    brings it, steps 3-5 clip it too."""
+    base = make_params([7, 33, 5], misaligned=False)
+    late_param = torch.nn.Parameter(torch.linspace(-1.0, 1.0, 9))
+    runs = []
+    for cls in (torch.optim.AdamW, titanmac_c.AdamW):
+        params, extra = clone_params(base), clone_params([late_param])[0]
+        grouped = params + [extra] if late == "unfrozen" else list(params)
+        runs.append((cls([{"params": grouped}], lr=0.1), params, extra))
+    (theirs, params_t, late_t), (ours, params_o, late_o) = runs
+    for step in range(6):
+        set_grads(params_t, params_o, step, scale=10.0)
+        torch.nn.utils.clip_grad_norm_([p for p in params_t + [late_t] if p.grad is not None],
+                                       0.5)
+        ours.clip_grad_norm_(0.5)
+        if step == 2:
+            for opt, extra in ((theirs, late_t), (ours, late_o)):
+                if late == "group_added":
+                    opt.add_param_group({"params": [extra]})
+                elif late == "appended":
+                    opt.param_groups[0]["params"].append(extra)
+        if step >= 2:
+            late_t.grad = torch.full((9,), 3.0)
+            late_o.grad = torch.full((9,), 3.0)
+        theirs.step()
+        ours.step()
+        for pt, po in zip(params_t + [late_t], params_o + [late_o]):
+            torch.testing.assert_close(po, pt, rtol=1e-5, atol=1e-6, msg=lambda m: f"{step}: {m}")
+            if pt in theirs.state:
+                torch.testing.assert_close(ours.state[po]["exp_avg"], theirs.state[pt]["exp_avg"],
+                                           rtol=1e-5, atol=1e-7)
+
+
 def test_clip_method_with_a_precomputed_norm():
     """Stats + clip + AdamW as three calls: group_norms gives the total norm, the clip method
     reuses it; the result equals the clip method's own norm pass."""

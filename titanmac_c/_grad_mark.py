@@ -74,6 +74,13 @@ class GradientMark:
             return grads
         return None
 
+    def covers(self, params):
+        """Whether every one of params is a marked parameter (by identity)."""
+        if params is self.params:
+            return True
+        marked = set(map(id, self.params))
+        return all(map(marked.__contains__, map(id, params)))
+
     def kept_gradients(self):
         """The marked gradients still in place, unchanged (after holds() was False: those the
         others' change left as they were)."""

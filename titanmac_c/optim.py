@@ -174,7 +174,9 @@ class AdamW(Optimizer):
         the gradients is made here, and the result has its dtype. The gradients themselves are not
         modified. The coefficient serves only these gradients: a zero_grad() (the optimizer's or
         the model's), a gradient set anew, another backward or an in-place edit before the step
-        drops it, as torch's clipped gradients would be gone; load_state_dict() keeps it.
+        drops it, as torch's clipped gradients would be gone, and a gradient it did not see (a
+        parameter added, or given its gradient, after it) steps unclipped; load_state_dict()
+        keeps it.
         """
         result, coef, planned = folded_clip(self, max_norm, norm_type, error_if_nonfinite,
                                             total_norm)
@@ -237,6 +239,7 @@ class AdamW(Optimizer):
         if amp is not None and amp.loss_scale is not None:
             for batch in batches:
                 batch.check_grads_storable()
+        self._keep_clip_to_its_gradients([p for batch in batches for p in batch.owners])
         for batch in batches:
             self._run_batch(batch, groups, lrs, *args)
         self.state.update(new_state)
@@ -244,6 +247,15 @@ class AdamW(Optimizer):
         n_params = sum(len(g["params"]) for g in self.param_groups)
         if len(batches) == 1 and len(batches[0].params) == n_params and not batches[0].no_plan:
             self._plan = Plan(self, batches[0])
+
+    def _keep_clip_to_its_gradients(self, owners):
+        """The step multiplies a pending coefficient into every gradient it takes (owners: their
+        parameters). When one of them is not among the clipped gradients (its parameter was
+        added, or given its gradient, after clip_grad_norm_), torch's clip left it unscaled:
+        the clipped gradients are then scaled in place and the step takes no coefficient."""
+        pending = self._pending_clip
+        if pending.coef and pending.mark is not None and not pending.mark.covers(owners):
+            self._apply_clip_to_kept_gradients()
 
     def _apply_clip_to_kept_gradients(self):
         """Some of the clipped gradients are gone (zeroed, replaced, or accumulated onto by
@@ -299,6 +311,7 @@ class AdamW(Optimizer):
                 grads = plan.grads()
         if grads is None:
             return False
+        self._keep_clip_to_its_gradients(plan.owners)
         try:
             batch = plan.refresh(grads)
             if batch is None:
