@@ -27,12 +27,13 @@ cms_stats_level(const cms_meta &meta, const cms_params &p, int32_t s, int64_t st
     const float *m = cms_state(meta, CMS_ROLE_M, l, s);
     const float *acc = cms_state(meta, CMS_ROLE_ACC, l, s);
     const float scale = p.grad_scale != NULL ? p.grad_scale[0] : 1.0f;
+    const float div = cms_level_div(p.c, l);
     const double km = m[0];
-    const double kg = cms_level_grad(meta, s, 0, scale, acc[0], p.c.div[l]);
+    const double kg = cms_level_grad(meta, s, 0, scale, acc[0], div);
     for (int32_t k = threadIdx.x; k < len; k += blockDim.x) {
         const int64_t i = start + k;
         const double x = m[i];
-        const double g = cms_level_grad(meta, s, i, scale, acc[i], p.c.div[l]);
+        const double g = cms_level_grad(meta, s, i, scale, acc[i], div);
         v[0] += x - km;
         v[1] += (x - km) * (x - km);
         v[2] += x * x;
@@ -72,12 +73,12 @@ cms_stats_kernel(const __grid_constant__ cms_meta meta, const __grid_constant__ 
  * A_l for the apply pass; LEGACY: a m + b g^, A_l = 0) into m_l. v += [g^2, m'^2, delta^2]. */
 static __device__ __forceinline__ void
 cms_update_elem(const cms_meta &meta, const cms_params &p, const tm_cms_direct_net *net,
-                const tm_cms_level_out &lo, int32_t s, int64_t i, int l, float scale,
+                const tm_cms_level_out &lo, int32_t s, int64_t i, int l, float div, float scale,
                 double (&v)[TM_CMS_DIRECT_PARTS])
 {
     float *m = cms_state(meta, CMS_ROLE_M, l, s) + i;
     float *acc = cms_state(meta, CMS_ROLE_ACC, l, s) + i;
-    const float gh = cms_level_grad(meta, s, i, scale, *acc, p.c.div[l]);
+    const float gh = cms_level_grad(meta, s, i, scale, *acc, div);
     float *ema = cms_state(meta, CMS_ROLE_EMA, l, s); /* NULL: not kept */
     float *vsq = cms_state(meta, CMS_ROLE_VSQ, l, s);
     tm_cms_ema_elem(ema != NULL ? ema + i : NULL, vsq != NULL ? vsq + i : NULL, gh, &p.c, l);
@@ -141,9 +142,10 @@ cms_update_kernel(const __grid_constant__ cms_meta meta, const __grid_constant__
         if (p.legacy) {
             lo = p.lv[(int64_t)meta.index[s] * p.c.levels + l];
         }
+        const float div = cms_level_div(p.c, l);
         double v[TM_CMS_DIRECT_PARTS] = {0.0, 0.0, 0.0};
         for (int32_t k = threadIdx.x; k < len; k += blockDim.x) {
-            cms_update_elem(meta, p, &s_net, lo, s, start + k, l, scale, v);
+            cms_update_elem(meta, p, &s_net, lo, s, start + k, l, div, scale, v);
         }
         cms_block_sum(v);
         cms_store_parts(p, l, v);

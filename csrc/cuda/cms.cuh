@@ -115,6 +115,22 @@ cms_acc_grad(const cms_meta &meta, int32_t s, int64_t i, float scale, float acc)
     return tm_fadd(acc, cms_grad(meta, s, i, scale));
 }
 
+/* c.div[l] through constant indices only. On an H100 (CUDA 13.0 toolchain, 2026-11-22) this
+ * kernel read c.div[l] with a run-time l from its __grid_constant__ parameter as 0.0, in lane 0's
+ * branch (the element kernels' same read was right): g^[0] / 0 made the shift kg infinite and
+ * every coefficient NaN, and any change of code shape (a printf) could hide it. Every kernel
+ * reads the divisor through this, once per level. */
+static __device__ __forceinline__ float
+cms_level_div(const tm_cms_consts &c, int l)
+{
+    float d = 1.0f;
+#pragma unroll
+    for (int k = 0; k < TM_CMS_MAX_LEVELS; k++) {
+        d = k == l ? c.div[k] : d;
+    }
+    return d;
+}
+
 /* g^ of element i: (A + g) / div, the accumulate, then the clone's division. */
 static __device__ __forceinline__ float
 cms_level_grad(const cms_meta &meta, int32_t s, int64_t i, float scale, float acc, float div)

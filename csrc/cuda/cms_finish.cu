@@ -50,21 +50,6 @@ cms_warp_tensor(const cms_meta &meta, const cms_params &p, int32_t *s, int64_t *
     return true;
 }
 
-/* c.div[l] through constant indices only. On an H100 (CUDA 13.0 toolchain, 2026-11-22) this
- * kernel read c.div[l] with a run-time l from its __grid_constant__ parameter as 0.0, in lane 0's
- * branch (the element kernels' same read is right): g^[0] / 0 made the shift kg infinite and
- * every coefficient NaN, and any change of code shape (a printf) could hide it. */
-static __device__ __forceinline__ float
-cms_level_div(const tm_cms_consts &c, int l)
-{
-    float d = 1.0f;
-#pragma unroll
-    for (int k = 0; k < TM_CMS_MAX_LEVELS; k++) {
-        d = k == l ? c.div[k] : d;
-    }
-    return d;
-}
-
 __global__ void __launch_bounds__(32 * TM_CMS_WARPS)
 cms_coeffs_kernel(const __grid_constant__ cms_meta meta, const __grid_constant__ cms_params p)
 {
