@@ -1,5 +1,6 @@
 """clip_grad_norm_ and get_total_norm against torch.nn.utils, element by element."""
 
+import copy
 import math
 
 import pytest
@@ -267,6 +268,42 @@ def test_a_gradient_the_clip_did_not_see_is_not_clipped_like_torchs(late):
             if pt in theirs.state:
                 torch.testing.assert_close(ours.state[po]["exp_avg"], theirs.state[pt]["exp_avg"],
                                            rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("change", ["backward", "edit"])
+def test_a_clipped_gradient_changed_in_place_steps_unclipped_with_a_warning(change):
+    """Another backward accumulated onto the clipped gradients before the step (clipping each
+    micro-batch of an accumulation), or an in-place edit of one (the weight's): torch's clip
+    scaled the part before the change, clip(g1) + g2, which is no longer there to scale. Ours
+    steps the changed gradients unclipped (g1 + g2), and now says so (it did silently, the
+    README calling it torch's behaviour); a gradient left as it was (the bias, after the edit)
+    stays clipped, as torch's. Checked against torch's AdamW given those gradients."""
+    torch.manual_seed(0)
+    model_t = torch.nn.Linear(4, 1)
+    model_o = copy.deepcopy(model_t)
+    theirs = torch.optim.AdamW(model_t.parameters(), lr=0.1)
+    ours = titanmac_c.AdamW(model_o.parameters(), lr=0.1)
+    x1, x2 = torch.randn(8, 4) * 10, torch.randn(8, 4)
+    for step in range(3):
+        for model in (model_t, model_o):
+            model(x1).pow(2).mean().backward()
+        ours.clip_grad_norm_(0.1)
+        if change == "backward":
+            for model in (model_t, model_o):  # torch's: the unclipped sum
+                model(x2).pow(2).mean().backward()
+        else:
+            unclipped = model_t.weight.grad.clone()
+            torch.nn.utils.clip_grad_norm_(model_t.parameters(), 0.1)
+            model_t.weight.grad = unclipped + 0.5  # torch's: the bias clipped, the weight not
+            model_o.weight.grad.add_(0.5)
+        edited = 2 if change == "backward" else 1
+        with pytest.warns(UserWarning, match=f"{edited} of the clipped gradients changed in place"):
+            ours.step()
+        theirs.step()
+        for pt, po in zip(model_t.parameters(), model_o.parameters()):
+            torch.testing.assert_close(po, pt, rtol=1e-6, atol=1e-7, msg=lambda m: f"{step}: {m}")
+        ours.zero_grad()
+        theirs.zero_grad()
 
 
 def test_clip_method_with_a_precomputed_norm():

@@ -6,6 +6,7 @@ import gc
 import io
 import pickle
 import weakref
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -248,7 +249,11 @@ def test_a_pending_clip_goes_with_its_gradients_like_torchs(clear):
                 p.grad = torch.full_like(p, 0.5)
             elif clear != "bias_to_none":
                 ((model(x) - y) ** 2).mean().backward()
-            opt.step()
+            # zeroed in place: the same gradient objects changed, which ours cannot tell from an
+            # accumulation (where its result differs from torch's), so it warns
+            warns = kind == 1 and clear == "model_zero_grad_in_place"
+            with pytest.warns(UserWarning, match="changed in place") if warns else nullcontext():
+                opt.step()
             opt.zero_grad()
         _assert_models_match(pairs, step)
 

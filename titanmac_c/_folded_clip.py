@@ -3,6 +3,7 @@ coefficient min(1, max_norm / (norm + 1e-6)) that its next step() multiplies int
 as it loads it (the gradients themselves are not written)."""
 
 import numbers
+import warnings
 
 import torch
 from torch import Tensor
@@ -10,7 +11,14 @@ from torch import Tensor
 from . import _C
 from . import _profiling as prof
 from ._distributed import any_dtensor, is_dtensor, replicated
-from ._runtime import call_dense, compute_dtype, exec_kwargs, norms_scratch
+from ._runtime import (
+    call_dense,
+    compute_dtype,
+    exec_kwargs,
+    memory_real_view,
+    norms_scratch,
+    user_stacklevel,
+)
 from .functional import (
     _check_max_norm,
     _check_norm_type,
@@ -18,6 +26,7 @@ from .functional import (
     _raise_if_nonfinite,
     _real_views,
     _result_dtype,
+    _scale_grads,
     _sharded,
 )
 
@@ -41,6 +50,37 @@ class PendingClip:
 
     def clear(self):
         self.coef, self.mark = {}, None
+
+    def keep_to(self, owners):
+        """Before a step that multiplies the coefficient into the gradients of owners (their
+        parameters): when one of them is not among the clipped gradients (its parameter was
+        added, or given its gradient, after the clip), torch's clip left it unscaled, so the
+        clipped gradients are scaled in place and the step takes no coefficient."""
+        if self.coef and self.mark is not None and not self.mark.covers(owners):
+            self.apply_to_kept_gradients()
+
+    def apply_to_kept_gradients(self):
+        """Some of the clipped gradients are gone or changed (replaced, set to None, e.g. by
+        model.zero_grad() after a skipped batch, or changed in place), or the step takes one the
+        clip did not see: torch's clip scaled the clipped ones in place, so what replaced them
+        is not clipped, while those left as they were stay clipped. So those are scaled now, in
+        place, and the coefficient is cleared. A gradient changed in place (another backward
+        accumulated onto it) steps unclipped where torch's keeps its clipped part, clip(g1) +
+        g2: the old part is no longer there to scale, so a warning says so."""
+        (device, coef), = self.coef.items()
+        mark = self.mark
+        edited = mark.edited_in_place()
+        if edited:
+            warnings.warn(f"AdamW.clip_grad_norm_: {edited} of the clipped gradients changed in "
+                          "place before step() (another backward accumulated onto them, or an "
+                          "in-place edit or zeroing) and step unclipped, where torch's clip would "
+                          "have scaled their part before the change; call clip_grad_norm_ after the "
+                          "last backward, or titanmac_c.clip_grad_norm_, which scales the "
+                          "gradients in place", stacklevel=user_stacklevel())
+        kept = [memory_real_view(g) for g in mark.kept_gradients()]
+        self.clear()
+        if kept:
+            _scale_grads(device, list(range(len(kept))), kept, coef)
 
 
 def given_total_norm(total_norm, device, dtype):

@@ -87,6 +87,12 @@ class GradientMark:
         return [g for p, ref, version in zip(self.params, self.refs, self.versions)
                 for g in (ref(),) if g is not None and p.grad is g and g._version == version]
 
+    def edited_in_place(self):
+        """How many marked gradients are still in place but changed since (accumulated onto by
+        another backward, zeroed in place, edited)."""
+        return sum(1 for p, ref, version in zip(self.params, self.refs, self.versions)
+                   for g in (ref(),) if g is not None and p.grad is g and g._version != version)
+
     def __reduce__(self):
         # pickle and deepcopy: a weak reference cannot be pickled, and the copy's gradients are
         # not the ones marked (torch copies a Parameter without its .grad): a mark that no

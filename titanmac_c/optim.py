@@ -20,7 +20,6 @@ from ._distributed import dtensor_type
 from ._flat import Batch, Plan
 from ._folded_clip import PendingClip, folded_clip
 from ._grad_mark import GradientMark
-from .functional import _scale_grads
 from ._runtime import (
     COMPLEX_DTYPES,
     SUPPORTED_DTYPES,
@@ -29,7 +28,6 @@ from ._runtime import (
     eager_only,
     exec_kwargs,
     mark_written,
-    memory_real_view,
     reraise_with_names,
 )
 
@@ -173,10 +171,11 @@ class AdamW(Optimizer):
         get_total_norm returned): a one-element floating tensor or a number; then no pass over
         the gradients is made here, and the result has its dtype. The gradients themselves are not
         modified. The coefficient serves only these gradients: a zero_grad() (the optimizer's or
-        the model's), a gradient set anew, another backward or an in-place edit before the step
-        drops it, as torch's clipped gradients would be gone, and a gradient it did not see (a
-        parameter added, or given its gradient, after it) steps unclipped; load_state_dict()
-        keeps it.
+        the model's) or a gradient set anew before the step drops it, as torch's clipped
+        gradients would be gone, and a gradient it did not see (a parameter added, or given its
+        gradient, after it) steps unclipped; one changed in place (another backward, an in-place
+        edit) steps unclipped with a warning, where torch's keeps its clipped part: clip after
+        the last backward. load_state_dict() keeps it.
         """
         result, coef, planned = folded_clip(self, max_norm, norm_type, error_if_nonfinite,
                                             total_norm)
@@ -224,7 +223,7 @@ class AdamW(Optimizer):
         if pending.coef and pending.mark is not None:
             marked = pending.mark.current()
             if marked is None:
-                self._apply_clip_to_kept_gradients()
+                pending.apply_to_kept_gradients()
         args = (lr, grad_scale, skip, zero_grads_on_skip, amp)
         if self._planned_step(*args, marked=marked, planned_grads=planned_grads):
             return
@@ -239,7 +238,7 @@ class AdamW(Optimizer):
         if amp is not None and amp.loss_scale is not None:
             for batch in batches:
                 batch.check_grads_storable()
-        self._keep_clip_to_its_gradients([p for batch in batches for p in batch.owners])
+        self._pending_clip.keep_to([p for batch in batches for p in batch.owners])
         for batch in batches:
             self._run_batch(batch, groups, lrs, *args)
         self.state.update(new_state)
@@ -247,27 +246,6 @@ class AdamW(Optimizer):
         n_params = sum(len(g["params"]) for g in self.param_groups)
         if len(batches) == 1 and len(batches[0].params) == n_params and not batches[0].no_plan:
             self._plan = Plan(self, batches[0])
-
-    def _keep_clip_to_its_gradients(self, owners):
-        """The step multiplies a pending coefficient into every gradient it takes (owners: their
-        parameters). When one of them is not among the clipped gradients (its parameter was
-        added, or given its gradient, after clip_grad_norm_), torch's clip left it unscaled:
-        the clipped gradients are then scaled in place and the step takes no coefficient."""
-        pending = self._pending_clip
-        if pending.coef and pending.mark is not None and not pending.mark.covers(owners):
-            self._apply_clip_to_kept_gradients()
-
-    def _apply_clip_to_kept_gradients(self):
-        """Some of the clipped gradients are gone (zeroed, replaced, or accumulated onto by
-        another backward, e.g. model.zero_grad() after a skipped batch): torch's clip scaled
-        them in place, so what replaced them is not clipped, while the gradients left as they
-        were stay clipped. So those are scaled now, in place, and the step takes no
-        coefficient."""
-        (device, coef), = self._pending_clip.coef.items()
-        kept = [memory_real_view(g) for g in self._pending_clip.mark.kept_gradients()]
-        self._pending_clip.clear()
-        if kept:
-            _scale_grads(device, list(range(len(kept))), kept, coef)
 
     def _run_batch(self, batch, groups, lrs, lr, grad_scale, skip, zero_grads_on_skip, amp):
         if lr is None:
@@ -311,7 +289,7 @@ class AdamW(Optimizer):
                 grads = plan.grads()
         if grads is None:
             return False
-        self._keep_clip_to_its_gradients(plan.owners)
+        self._pending_clip.keep_to(plan.owners)
         try:
             batch = plan.refresh(grads)
             if batch is None:
