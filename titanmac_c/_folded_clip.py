@@ -73,10 +73,10 @@ class PendingClip:
         if edited:
             warnings.warn(f"AdamW.clip_grad_norm_: {edited} of the clipped gradients changed in "
                           "place before step() (another backward accumulated onto them, or an "
-                          "in-place edit or zeroing) and step unclipped, where torch's clip would "
-                          "have scaled their part before the change; call clip_grad_norm_ after the "
-                          "last backward, or titanmac_c.clip_grad_norm_, which scales the "
-                          "gradients in place", stacklevel=user_stacklevel())
+                          "in-place edit or zeroing) and step unclipped, where torch's clip "
+                          "would have scaled their part before the change; call clip_grad_norm_ "
+                          "after the last backward, or titanmac_c.clip_grad_norm_, which scales "
+                          "the gradients in place", stacklevel=user_stacklevel())
         kept = [memory_real_view(g) for g in mark.kept_gradients()]
         self.clear()
         if kept:
