@@ -93,7 +93,8 @@ def test_load_state_dict_missing_amsgrad_state():
     opt, params = _setup(amsgrad=True)
     sd = copy.deepcopy(opt.state_dict())  # state_dict() shares the entries with opt.state
     del sd["state"][1]["max_exp_avg_sq"]
-    expect_refused(opt, params, ValueError, r"has no 'max_exp_avg_sq'", lambda: opt.load_state_dict(sd))
+    expect_refused(opt, params, ValueError, r"has no 'max_exp_avg_sq'",
+                   lambda: opt.load_state_dict(sd))
 
 
 def test_load_state_dict_wrong_step_shape():

@@ -206,7 +206,8 @@ def _bad_checkpoints(sd):
 
     out = [("controller shapes", edit(wider_controller)),
            ("lr_multipliers length", edit(lambda b: b.update(lr_multipliers=torch.ones(3)))),
-           ("lr_multipliers of one element", edit(lambda b: b.update(lr_multipliers=torch.ones(1)))),
+           ("lr_multipliers of one element",
+            edit(lambda b: b.update(lr_multipliers=torch.ones(1)))),
            ("global_step", edit(lambda b: b.update(global_step=-1))),
            ("meta_optimizer groups", edit(lambda b: b["meta_optimizer"]["param_groups"][0]
                                           .update(params=[0]))),

@@ -339,7 +339,8 @@ def test_a_refused_step_leaves_the_last_steps_control_outputs(kw):
     opt.step(torch.tensor(float("nan")))
     before = [opt.skipped.clone(), opt._coef.clone(), opt._lr.clone()]
     assert float(before[0]) == 1.0
-    set_grads_by_name(model, fixed_grads(model, 4))  # a clip coefficient below 1 and a step not skipped
+    # a clip coefficient below 1 and a step not skipped
+    set_grads_by_name(model, fixed_grads(model, 4))
     undo = _resize_a_parameter(model)
     with pytest.raises(ValueError, match=_RESIZED):
         opt.step(0.5)
@@ -385,7 +386,8 @@ def test_a_refused_step_changes_nothing_and_names_its_parameter(kw, at, spoil, e
     undo()
     set_grads_by_name(twin, g)
     _assert_untouched_then_alike(model, opt, twin, clean, (params_before, state_before), at)
-    assert_same_state(checkpoint_roundtrip(opt.state_dict()), checkpoint_roundtrip(clean.state_dict()))
+    assert_same_state(checkpoint_roundtrip(opt.state_dict()),
+                      checkpoint_roundtrip(clean.state_dict()))
 
 
 @pytest.mark.parametrize("kw", MODES, ids=MODE_IDS)
@@ -591,7 +593,8 @@ def test_direct_meta_update_after_step_sees_the_clipped_gradients(kw):
 
 def test_a_finite_float_loss_beyond_float32_steps_on():
     """The reference takes a float loss of 1e39 after its first step (its EMA is a tensor
-    update); ours too, the loss read as float32's largest value (it raised, global_step advanced)."""
+    update); ours too, the loss read as float32's largest value (it raised, global_step
+    advanced)."""
     model = make_mlp_10_32_5(seed=0)
     opt = titanmac_c.DeepNestedOptimizer(model)
     for step, loss in enumerate((0.5, 1e39, -1e39, 0.5), start=1):

@@ -183,8 +183,8 @@ def test_read_only_output():
 def test_missing_keyword():
     args, kw = _valid_call()
     del kw["base_lr"]
-    with pytest.raises(TypeError,
-                       match=r"^dno_control\(\) missing required keyword-only argument: 'base_lr'$"):
+    message = r"^dno_control\(\) missing required keyword-only argument: 'base_lr'$"
+    with pytest.raises(TypeError, match=message):
         _call(args, kw)
 
 
