@@ -2,8 +2,9 @@
 parameter frozen at construction, unfrozen later and appended to a group's 'params' list (the
 way to start training it; add_param_group makes a third group, which the controller cannot
 serve) counts once in the clip norm, as the reference counts each model parameter once, and is
-named in messages by its model name. Also the host reads of the meta-update (no warning for a
-loss that requires grad) and the type of a bad loss argument."""
+named in messages by its model name. Also a model whose 'embed' group is empty, the host
+reads of the meta-update (no warning for a loss that requires grad) and the type of a bad loss
+argument."""
 
 import warnings
 
@@ -127,3 +128,40 @@ def test_meta_update_reads_a_loss_that_requires_grad_without_a_warning():
         ours.meta_update(batches[3], use_unrolled=False, loss_fn=loss_fn)
     for (name, pr), po in zip(ref.controller.named_parameters(), ours.controller.parameters()):
         torch.testing.assert_close(po.detach(), pr.detach(), rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_an_empty_group_gives_the_proxy_the_references_exact_zero():
+    """A model of bias-free Linears: the 'embed' group is empty, its stats row is constant, so
+    in the reference the improving-loss proxy (mu~ - multiplier_history[-1])^2 is exactly 0 for
+    it and the controller weights only that row reaches get no gradient. Ours recorded the C
+    controller's multipliers and compared them with torch's forward: an ulp apart, which the
+    meta-optimizer's Adam normalizes into a full step (controller 9e-4 off the reference's at
+    the 11th meta-update, growing). float64 model, explicit meta-updates, 60 steps."""
+    torch.manual_seed(426740)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 7, bias=False), torch.nn.Tanh(),
+                                torch.nn.Linear(7, 3, bias=False)).double()
+    kw = dict(base_lr=1e-4, meta_lr=1e-2, mode="explicit", controller_hidden_dim=32,
+              controller_num_layers=3)
+    (model_r, ref), (model_o, ours) = reference_and_ours(model, **kw)
+    gen = torch.Generator().manual_seed(426742)
+    target = torch.randn(6, 3, generator=gen, dtype=torch.float64)
+    data = [torch.randn(8, 6, generator=gen, dtype=torch.float64) for _ in range(62)]
+
+    def mse(m, x):
+        return torch.nn.functional.mse_loss(m(x), x @ target)
+
+    for t in range(1, 61):
+        for opt, m in ((ref, model_r), (ours, model_o)):
+            opt.zero_grad()
+            loss = mse(m, data[t])
+            loss.backward()
+            opt.step(loss.item())
+            if t % 3 == 0:
+                opt.meta_update(data[t + 1], loss_fn=mse, use_unrolled=False)
+    assert len(ref.meta_trainer.loss_history) == 20
+    for (name, w_r), w_o in zip(ref.controller.named_parameters(), ours.controller.parameters()):
+        torch.testing.assert_close(w_o, w_r, rtol=0, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    torch.testing.assert_close(ours.get_lr_multipliers(), ref.get_lr_multipliers(), rtol=0,
+                               atol=1e-6)
+    for p_o, p_r in zip(model_o.parameters(), model_r.parameters()):
+        torch.testing.assert_close(p_o, p_r, rtol=1e-6, atol=1e-9)

@@ -290,18 +290,35 @@ class ControlStepMixin:
         n = self._norms
         grad_in, param_in = self._controller_inputs(n[0:g], n[g:2 * g])
         try:
-            _C.dno_control(
-                grad_in, param_in, n[2 * g:], self.group_depths, self._loss,
-                self._weights_of("controller"), self._lr_multipliers,
-                self.ema_loss, self._lr, self._coef, self.skipped,
-                hidden=self.controller_hidden_dim, layers=self.controller_num_layers,
-                update_controller=update, first_step=(t == 1), check_loss=check_loss,
+            self._call_control(
+                grad_in, param_in, n[2 * g:], self._loss, self._lr_multipliers, self.ema_loss,
+                self._lr, self._coef, self.skipped, update_controller=update,
+                first_step=(t == 1), check_loss=check_loss,
                 base_lr=self.base_lr if base_lr is None else base_lr,
-                max_grad_norm=self.max_grad_norm, ema_beta=EMA_LOSS_BETA, mu_min=MIN_LR_MULT,
-                mu_max=MAX_LR_MULT, stream=exec_kwargs(self.device).get("stream"),
-                previous=self._control_previous)
+                max_grad_norm=self.max_grad_norm, previous=self._control_previous)
         except (BufferError, ValueError, TypeError) as err:
             self._reraise_named(err, [], weights_of="controller")
+
+    def _c_controller(self, stats):
+        """The multipliers the C control step computes from stats [G, 3] (what a step records),
+        into temporaries: the optimizer's own state is not touched."""
+        f32 = dict(dtype=torch.float32, device=self.device)
+        g = N_GROUPS
+        mu, lr = torch.empty(g, **f32), torch.empty(g, **f32)
+        ema, coef, skip = torch.zeros(2, **f32), torch.empty(1, **f32), torch.empty(1, **f32)
+        unused = torch.zeros(1, **f32)  # the total norm and the loss: read only when clipping
+        self._call_control(stats[:, 0].contiguous(), stats[:, 1].contiguous(), unused, unused,
+                           mu, ema, lr, coef, skip, update_controller=True, first_step=True,
+                           check_loss=False, base_lr=self.base_lr, max_grad_norm=0.0)
+        return mu
+
+    def _call_control(self, grad_in, param_in, total, loss, mu, ema, lr, coef, skip, **flags):
+        """_C.dno_control with this optimizer's controller, its shape and the spec's constants."""
+        _C.dno_control(grad_in, param_in, total, self.group_depths, loss,
+                       self._weights_of("controller"), mu, ema, lr, coef, skip,
+                       hidden=self.controller_hidden_dim, layers=self.controller_num_layers,
+                       ema_beta=EMA_LOSS_BETA, mu_min=MIN_LR_MULT, mu_max=MAX_LR_MULT,
+                       stream=exec_kwargs(self.device).get("stream"), **flags)
 
     def _undo_control(self):
         """The C core refused a call of the step after the control op (a tensor that no longer

@@ -78,6 +78,13 @@ class MetaLearningMixin:
         with torch.enable_grad():
             self.meta_optimizer.zero_grad()
             proposed = self.controller(stats)
+            # The recorded multipliers are the C controller's, which rounds each unit's sum once
+            # where torch's forward rounds as its kernels go: the proxy takes the proposal's
+            # value from the C controller too (its gradient still through torch's forward), so
+            # a group whose stats did not change since the step (an empty one) gives the
+            # reference's exact zero, not an ulp that Adam's normalization turns into a full
+            # meta-step on the weights only that group reaches.
+            proposed = proposed + (self._c_controller(stats) - proposed).detach()
             controller_loss = self.meta_trainer.compute_proxy_loss(proposed)
             mlp_loss = self._mlp_proxy_loss(loss_value, grad_scale)
             total = controller_loss + mlp_loss
