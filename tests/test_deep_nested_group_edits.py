@@ -89,6 +89,26 @@ def test_an_appended_parameter_is_named_in_errors(kw, own_memory, match):
             assert torch.equal(p.detach(), b)
 
 
+def test_an_appended_parameter_the_model_does_not_hold_is_named_by_its_position():
+    """CMS mode refuses a parameter appended to a group that the model does not hold; its name
+    is its place in the groups, given once (the message read 'parameter "parameter
+    "param_groups[1]['params'][1]""'). Nothing changes."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = titanmac_c.DeepNestedOptimizer(model, use_cms_updates=True)
+    extra = torch.nn.Parameter(torch.randn(3))
+    extra.grad = torch.randn(3)
+    opt.base_optimizer.param_groups[1]["params"].append(extra)
+    model(torch.randn(2, 4)).sum().backward()
+    before = [p.detach().clone() for p in (*model.parameters(), extra)]
+    with pytest.raises(ValueError, match=r"""^parameter "param_groups\[1\]\['params'\]\[1\]": """
+                                         r"no CMS state \(appended"):
+        opt.step(1.0)
+    assert opt.global_step == 0
+    for p, b in zip((*model.parameters(), extra), before):
+        assert torch.equal(p.detach(), b)
+
+
 def test_a_third_group_is_refused_before_anything_changes():
     """base_optimizer.add_param_group() makes a third group; the controller sets two learning
     rates. Refused with a message that says what to do, nothing changed (the C core's

@@ -232,7 +232,8 @@ class ControlStepMixin:
             params = groups[g]["params"] if g < len(groups) else ()
             p = params[j] if j < len(params) else None
             label = self._param_names.get(p) if p is not None else None
-            return match.group(0) if label is None else f"parameter {label!r}"
+            # a parameter the model does not hold is named by this very position already
+            return match.group(0) if label in (None, match.group(0)) else f"parameter {label!r}"
         err.args = (_GROUP_POSITION.sub(name, err.args[0]),) + err.args[1:]
 
     def _raise_if_sparse(self):
