@@ -175,7 +175,9 @@ class AdamW(Optimizer):
         gradients would be gone, and a gradient it did not see (a parameter added, or given its
         gradient, after it) steps unclipped; one changed in place (another backward, an in-place
         edit) steps unclipped with a warning, where torch's keeps its clipped part: clip after
-        the last backward. load_state_dict() keeps it.
+        the last backward. It serves one step, and a second call replaces it (torch's clips
+        compose, the gradients staying scaled): clip once per step. load_state_dict() keeps
+        it.
         """
         result, coef, planned = folded_clip(self, max_norm, norm_type, error_if_nonfinite,
                                             total_norm)
