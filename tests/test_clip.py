@@ -307,6 +307,29 @@ def test_a_clipped_gradient_changed_in_place_steps_unclipped_with_a_warning(chan
         theirs.zero_grad()
 
 
+@pytest.mark.parametrize("max_norms", [(0.1, 1.0), (1.0, 0.1), (0.5, 0.5)])
+def test_a_second_clip_before_the_step_composes_like_torchs(max_norms):
+    """Two clip_grad_norm_ calls before one step (a framework's and the user's): torch's first
+    clip leaves the gradients scaled, so the second measures them so and the smaller max_norm
+    wins. Ours replaced the first coefficient with the second, measured on the unscaled
+    gradients (clip to 0.1 then 1.0 clipped to 1.0). The returned norms, then the steps, over
+    4 steps (the plan's path after the first)."""
+    params_a = make_params([7, 33, 5], misaligned=False)
+    params_b = clone_params(params_a)
+    ours = titanmac_c.AdamW(params_a, lr=0.1)
+    theirs = torch.optim.AdamW(params_b, lr=0.1)
+    for step in range(4):
+        set_grads(params_a, params_b, step, scale=10.0)
+        for max_norm in max_norms:
+            norm_a = ours.clip_grad_norm_(max_norm)
+            norm_b = torch.nn.utils.clip_grad_norm_(params_b, max_norm)
+            torch.testing.assert_close(norm_a, norm_b, rtol=1e-5, atol=0)
+        ours.step()
+        theirs.step()
+        for pa, pb in zip(params_a, params_b):
+            torch.testing.assert_close(pa, pb, rtol=1e-5, atol=1e-6, msg=lambda m: f"{step}: {m}")
+
+
 def test_clip_method_with_a_precomputed_norm():
     """Stats + clip + AdamW as three calls: group_norms gives the total norm, the clip method
     reuses it; the result equals the clip method's own norm pass."""

@@ -61,12 +61,13 @@ class PendingClip:
 
     def apply_to_kept_gradients(self):
         """Some of the clipped gradients are gone or changed (replaced, set to None, e.g. by
-        model.zero_grad() after a skipped batch, or changed in place), or the step takes one the
-        clip did not see: torch's clip scaled the clipped ones in place, so what replaced them
-        is not clipped, while those left as they were stay clipped. So those are scaled now, in
-        place, and the coefficient is cleared. A gradient changed in place (another backward
-        accumulated onto it) steps unclipped where torch's keeps its clipped part, clip(g1) +
-        g2: the old part is no longer there to scale, so a warning says so."""
+        model.zero_grad() after a skipped batch, or changed in place), the step takes one the
+        clip did not see, or another clip comes first: torch's clip scaled the clipped ones in
+        place, so what replaced them is not clipped, while those left as they were stay clipped
+        (and a second clip measures them so). So those are scaled now, in place, and the
+        coefficient is cleared. A gradient changed in place (another backward accumulated onto
+        it) steps unclipped where torch's keeps its clipped part, clip(g1) + g2: the old part
+        is no longer there to scale, so a warning says so."""
         (device, coef), = self.coef.items()
         mark = self.mark
         edited = mark.edited_in_place()

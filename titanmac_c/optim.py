@@ -175,10 +175,13 @@ class AdamW(Optimizer):
         gradients would be gone, and a gradient it did not see (a parameter added, or given its
         gradient, after it) steps unclipped; one changed in place (another backward, an in-place
         edit) steps unclipped with a warning, where torch's keeps its clipped part: clip after
-        the last backward. It serves one step, and a second call replaces it (torch's clips
-        compose, the gradients staying scaled): clip once per step. load_state_dict() keeps
-        it.
+        the last backward. A second call before the step first scales the gradients by the
+        pending coefficient, in place, as torch's first clip left them, and measures them so.
+        The coefficient serves one step: a second step() on the same gradients takes them
+        unclipped, where torch's stay clipped. load_state_dict() keeps it.
         """
+        if self._pending_clip.coef and self._pending_clip.mark is not None:
+            self._pending_clip.apply_to_kept_gradients()
         result, coef, planned = folded_clip(self, max_norm, norm_type, error_if_nonfinite,
                                             total_norm)
         if coef is None:  # no gradient
