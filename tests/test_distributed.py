@@ -103,21 +103,31 @@ def _train_fsdp2(rank, make_opt, clip, amsgrad, device="cpu", sync_check=False):
 
 def scenario_fsdp2(rank):
     """FSDP2: titanmac_c.AdamW with titanmac_c.clip_grad_norm_ (amsgrad off) and with the
-    folded AdamW.clip_grad_norm_ (amsgrad on), torch.optim.AdamW with torch's clip beside."""
+    folded AdamW.clip_grad_norm_ called twice (amsgrad on), torch.optim.AdamW with torch's
+    clip beside."""
     def torch_opt(params, amsgrad):
         return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, amsgrad=amsgrad)
 
     def ours(params, amsgrad):
         return titanmac_c.AdamW(params, lr=1e-2, weight_decay=0.1, amsgrad=amsgrad)
 
-    out = {}
-    for amsgrad in (False, True):
-        out[f"torch_{amsgrad}"] = _train_fsdp2(
+    def torch_clip_twice(m, o):
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 2.0)
+        return torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
+
+    def folded_clip_twice(m, o):  # the second scales the shards by the first's coefficient
+        o.clip_grad_norm_(2.0)
+        return o.clip_grad_norm_(0.5)
+
+    out = {
+        "torch_False": _train_fsdp2(
             rank, torch_opt, lambda m, o: torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5),
-            amsgrad)
-    out["ours_False"] = _train_fsdp2(
-        rank, ours, lambda m, o: titanmac_c.clip_grad_norm_(m.parameters(), 0.5), False)
-    out["ours_True"] = _train_fsdp2(rank, ours, lambda m, o: o.clip_grad_norm_(0.5), True)
+            False),
+        "torch_True": _train_fsdp2(rank, torch_opt, torch_clip_twice, True),
+        "ours_False": _train_fsdp2(
+            rank, ours, lambda m, o: titanmac_c.clip_grad_norm_(m.parameters(), 0.5), False),
+        "ours_True": _train_fsdp2(rank, ours, folded_clip_twice, True),
+    }
     return out
 
 

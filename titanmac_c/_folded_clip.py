@@ -10,7 +10,7 @@ from torch import Tensor
 
 from . import _C
 from . import _profiling as prof
-from ._distributed import any_dtensor, is_dtensor, replicated
+from ._distributed import any_dtensor, is_dtensor, local_of, replicated
 from ._runtime import (
     call_dense,
     compute_dtype,
@@ -78,7 +78,8 @@ class PendingClip:
                           "would have scaled their part before the change; call clip_grad_norm_ "
                           "after the last backward, or titanmac_c.clip_grad_norm_, which scales "
                           "the gradients in place", stacklevel=user_stacklevel())
-        kept = [memory_real_view(g) for g in mark.kept_gradients()]
+        kept = [memory_real_view(local_of(g) if is_dtensor(g) else g)  # a shard's own memory
+                for g in mark.kept_gradients()]
         self.clear()
         if kept:
             _scale_grads(device, list(range(len(kept))), kept, coef)
