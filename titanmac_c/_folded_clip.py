@@ -1,6 +1,7 @@
 """AdamW.clip_grad_norm_'s computation: the total norm of the optimizer's gradients and the clip
 coefficient min(1, max_norm / (norm + 1e-6)) that its next step() multiplies into each gradient
-as it loads it (the gradients themselves are not written)."""
+as it loads it (the gradients themselves are not written, unless the coefficient can no longer
+serve them all: PendingClip.apply_to_kept_gradients)."""
 
 import numbers
 import warnings
@@ -51,12 +52,17 @@ class PendingClip:
     def clear(self):
         self.coef, self.mark = {}, None
 
+    @property
+    def watched(self):
+        """Whether a coefficient is pending with the mark of its gradients."""
+        return bool(self.coef) and self.mark is not None
+
     def keep_to(self, owners):
         """Before a step that multiplies the coefficient into the gradients of owners (their
         parameters): when one of them is not among the clipped gradients (its parameter was
         added, or given its gradient, after the clip), torch's clip left it unscaled, so the
         clipped gradients are scaled in place and the step takes no coefficient."""
-        if self.coef and self.mark is not None and not self.mark.covers(owners):
+        if self.watched and not self.mark.covers(owners):
             self.apply_to_kept_gradients()
 
     def apply_to_kept_gradients(self):
@@ -69,8 +75,7 @@ class PendingClip:
         it) steps unclipped where torch's keeps its clipped part, clip(g1) + g2: the old part
         is no longer there to scale, so a warning says so."""
         (device, coef), = self.coef.items()
-        mark = self.mark
-        edited = mark.edited_in_place()
+        kept, edited = self.mark.kept_and_edited()
         if edited:
             warnings.warn(f"AdamW.clip_grad_norm_: {edited} of the clipped gradients changed in "
                           "place before step() (another backward accumulated onto them, or an "
@@ -79,7 +84,7 @@ class PendingClip:
                           "after the last backward, or titanmac_c.clip_grad_norm_, which scales "
                           "the gradients in place", stacklevel=user_stacklevel())
         kept = [memory_real_view(local_of(g) if is_dtensor(g) else g)  # a shard's own memory
-                for g in mark.kept_gradients()]
+                for g in kept]
         self.clear()
         if kept:
             _scale_grads(device, list(range(len(kept))), kept, coef)

@@ -81,17 +81,19 @@ class GradientMark:
         marked = set(map(id, self.params))
         return all(map(marked.__contains__, map(id, params)))
 
-    def kept_gradients(self):
-        """The marked gradients still in place, unchanged (after holds() was False: those the
-        others' change left as they were)."""
-        return [g for p, ref, version in zip(self.params, self.refs, self.versions)
-                for g in (ref(),) if g is not None and p.grad is g and g._version == version]
-
-    def edited_in_place(self):
-        """How many marked gradients are still in place but changed since (accumulated onto by
-        another backward, zeroed in place, edited)."""
-        return sum(1 for p, ref, version in zip(self.params, self.refs, self.versions)
-                   for g in (ref(),) if g is not None and p.grad is g and g._version != version)
+    def kept_and_edited(self):
+        """(the marked gradients still in place and unchanged, how many are still in place but
+        changed since: accumulated onto by another backward, zeroed in place, edited), read
+        after holds() was False."""
+        kept, edited = [], 0
+        for p, ref, version in zip(self.params, self.refs, self.versions):
+            g = ref()
+            if g is not None and p.grad is g:
+                if g._version == version:
+                    kept.append(g)
+                else:
+                    edited += 1
+        return kept, edited
 
     def __reduce__(self):
         # pickle and deepcopy: a weak reference cannot be pickled, and the copy's gradients are

@@ -180,7 +180,7 @@ class AdamW(Optimizer):
         The coefficient serves one step: a second step() on the same gradients takes them
         unclipped, where torch's stay clipped. load_state_dict() keeps it.
         """
-        if self._pending_clip.coef and self._pending_clip.mark is not None:
+        if self._pending_clip.watched:
             self._pending_clip.apply_to_kept_gradients()
         result, coef, planned = folded_clip(self, max_norm, norm_type, error_if_nonfinite,
                                             total_norm)
@@ -225,7 +225,7 @@ class AdamW(Optimizer):
     def _fused_step_impl(self, lr, grad_scale, skip, zero_grads_on_skip, amp, planned_grads):
         marked = None  # the gradients the clip coefficient is for, as read now
         pending = self._pending_clip
-        if pending.coef and pending.mark is not None:
+        if pending.watched:
             marked = pending.mark.current()
             if marked is None:
                 pending.apply_to_kept_gradients()
