@@ -69,6 +69,13 @@ def _full(t):
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu().clone()
 
 
+def _local(t):
+    """A DTensor's shard on this rank (a plain tensor passes through), detached on the CPU. torch
+    2.11's full_tensor() cannot gather a _StridedShard; comparing every rank's shard is as
+    strict."""
+    return (t.to_local() if hasattr(t, "to_local") else t).detach().cpu().clone()
+
+
 def _train_fsdp2(rank, make_opt, clip, amsgrad, device="cpu", sync_check=False):
     """STEPS steps of an FSDP2 model: each rank's own batch, clip to 0.5, then AdamW. Returns the
     norms per step and the full parameters and state at the end. sync_check: after two steps,
@@ -131,13 +138,18 @@ def scenario_fsdp2(rank):
     return out
 
 
+def _tp_globals(seed):
+    """The global values of _tp_tensors(..., seed), as plain tensors."""
+    torch.manual_seed(seed)
+    shapes = [(8, 4), (3, 5), (7,), (4, 4)]  # _StridedShard(0, 2) over 2 ranks: 4 | rows
+    return [torch.randn(s) for s in shapes]
+
+
 def _tp_tensors(mesh, placements, seed):
     """One DTensor per placement list, the same global values on every rank."""
     from torch.distributed.tensor import distribute_tensor
 
-    torch.manual_seed(seed)
-    shapes = [(8, 4), (3, 5), (7,), (4, 4)]  # _StridedShard(0, 2) over 2 ranks: 4 | rows
-    return [distribute_tensor(torch.randn(s), mesh, pl) for s, pl in zip(shapes, placements)]
+    return [distribute_tensor(t, mesh, pl) for t, pl in zip(_tp_globals(seed), placements)]
 
 
 def _tp_cases():
@@ -175,7 +187,7 @@ def scenario_tensor_parallel(rank):
                 raise
             out["strided_unsupported"] = f"{type(exc).__name__}: {exc}"
             continue
-        full = [_full(g) for g in grads]
+        full = _tp_globals(1)
         for p in (1.0, 2.0, 3.0, float("inf")):
             ours = titanmac_c.get_total_norm(grads, p)
             theirs = torch.nn.utils.get_total_norm(grads, p)
@@ -199,7 +211,7 @@ def scenario_tensor_parallel(rank):
             for p, g in zip(params, grads):
                 p.grad = g.to(torch.float64) * 3.0
             norm = clip(params, 1.0)
-            f64[impl] = (norm.dtype, float(_full(norm)), [_full(p.grad) for p in params])
+            f64[impl] = (norm.dtype, float(_full(norm)), [_local(p.grad) for p in params])
         out[f"{name}_float64_clip"] = f64
         for impl in ("ours", "torch"):
             params = [torch.nn.Parameter(t) for t in _tp_tensors(mesh, placements, 2)]
@@ -213,8 +225,8 @@ def scenario_tensor_parallel(rank):
                     torch.nn.utils.clip_grad_norm_
                 norms.append(float(_full(clip(params, 1.0))))
                 opt.step()
-            out[f"{name}_adamw_{impl}"] = dict(norms=norms, params=[_full(p) for p in params],
-                                               state=[_full(opt.state[p]["exp_avg_sq"])
+            out[f"{name}_adamw_{impl}"] = dict(norms=norms, params=[_local(p) for p in params],
+                                               state=[_local(opt.state[p]["exp_avg_sq"])
                                                       for p in params])
     return out
 
@@ -279,6 +291,25 @@ class _Block(torch.nn.Module):
         return self.down(torch.relu(self.up(self.norm(x))))
 
 
+def _sequence_parallel_single_process():
+    """What scenario_sequence_parallel's training computes, in one process with plain tensors and
+    torch's AdamW: the ranks' sequence halves make one batch, their gradients one sum."""
+    torch.manual_seed(0)
+    block = _Block()
+    column = torch.nn.Parameter(torch.randn(4, 6))
+    params = list(block.parameters()) + [column]
+    opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    norms = []
+    for step in range(STEPS):
+        torch.manual_seed(10 + step)
+        block(torch.randn(2, 4, 8)).pow(2).sum().backward()
+        column.grad = torch.randn(4, 6)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(params, 1.0)))
+        opt.step()
+        opt.zero_grad()
+    return dict(norms=norms, params=[p.detach().clone() for p in params])
+
+
 def scenario_sequence_parallel(rank):
     """torch's tensor-parallel recipe with a sequence-parallel LayerNorm, whose gradients autograd
     leaves Partial(sum) (each rank holds a summand), and a parameter sharded along dim 1 with a
@@ -313,6 +344,7 @@ def scenario_sequence_parallel(rank):
             opt.step()
             opt.zero_grad()
         out[name] = dict(norms=norms, params=[_full(p) for p in params])
+    out["single"] = _sequence_parallel_single_process()
 
     nan_on_rank1 = distribute_tensor(torch.arange(6.0), mesh, [Shard(0)])
     if rank == 1:
@@ -659,9 +691,14 @@ def test_partial_and_differently_placed_gradients_match_torch(ranks):
         # Shard(1) parameter
         assert "(Partial(sum),)" in res["ours_placements"]
         assert res["ours_placements"] == res["torch_placements"]
-        assert res["ours"]["norms"] == pytest.approx(res["torch"]["norms"], rel=1e-5)
-        for a, b in zip(res["ours"]["params"], res["torch"]["params"]):
+        # against the same training in one process, plain tensors and torch's AdamW
+        assert res["ours"]["norms"] == pytest.approx(res["single"]["norms"], rel=1e-5)
+        for a, b in zip(res["ours"]["params"], res["single"]["params"]):
             torch.testing.assert_close(a, b, **CLOSE)
+        # which is the training torch's distributed step does too; torch 2.11's drifts from it
+        # (1.6e-3 relative in the norm by the sixth step, where ours matches)
+        if torch.__version__ >= (2, 13):
+            assert res["torch"]["norms"] == pytest.approx(res["single"]["norms"], rel=1e-5)
 
 
 def test_a_nan_on_one_rank_makes_every_rank_s_norm_nan(ranks):
