@@ -353,12 +353,33 @@ def test_histories_that_do_not_fit_are_named():
     assert opt.meta_trainer.loss_history == [] and opt._mlp_output_history == {}
 
 
-def test_a_cms_state_keyed_by_strings_is_named_for_what_it_is():
-    """Keys flattened to strings (e.g. by a checkpoint tool): the reference ignores such a
-    cms_state and trains from zero buffers; refused here, saying what the keys must be."""
-    opt = titanmac_c.DeepNestedOptimizer(make_mlp_10_32_5(seed=0), use_cms_updates=True)
-    sd = opt.state_dict()
-    sd["cms_state"] = {str(i): levels for i, levels in sd["cms_state"].items()}
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP in one process
+def test_a_cms_state_keyed_by_strings_is_named_for_what_it_is(tmp_path):
+    """torch.distributed.checkpoint's load gives the int keys of non-tensor values back as
+    strings: the CMS step counts land in cms_state['0'] and so on, beside the template's. The
+    reference's load ignores those keys (its step counts restart); refused here, saying what the
+    keys must be and how to save, and nothing is loaded."""
+    from torch.distributed import checkpoint as dcp
+    from torch.utils._pytree import tree_map
+
+    model = make_mlp_10_32_5(seed=0)
+    opt = titanmac_c.DeepNestedOptimizer(model, use_cms_updates=True, cms_frequencies=[1, 3])
+    for step in range(4):
+        step_all(step, (model, opt))
+    dcp.save(opt.state_dict(), checkpoint_id=tmp_path)
+    fresh = titanmac_c.DeepNestedOptimizer(make_mlp_10_32_5(seed=0), use_cms_updates=True,
+                                           cms_frequencies=[1, 3])
+    before = checkpoint_roundtrip(fresh.state_dict())
+    # a template whose tensors DCP can write (ours saves the buffers it does not keep as
+    # one-element zeros, which it cannot)
+    template = tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v,
+                        fresh.state_dict())
+    dcp.load(template, checkpoint_id=tmp_path)
+    assert "0" in template["cms_state"] and 0 in template["cms_state"]
     with pytest.raises(ValueError, match=r"^cms_state\['0'\]: a str key; cms_state is keyed by "
-                                         r"each tensor's position in the groups \(an int\)$"):
-        opt.load_state_dict(sd)
+                                         r"each tensor's position in the groups \(an int\)\. "
+                                         r"torch\.distributed\.checkpoint's load gives such keys "
+                                         r"back as strings: save this optimizer's state_dict\(\) "
+                                         r"with torch\.save$"):
+        fresh.load_state_dict(template)
+    assert_same_state(fresh.state_dict(), before)

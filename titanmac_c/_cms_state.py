@@ -119,7 +119,9 @@ class CMSState:
         for i, levels in cms_state.items():
             if not isinstance(i, int):  # e.g. keys flattened to strings by a checkpoint tool
                 raise ValueError(f"cms_state[{i!r}]: a {type(i).__name__} key; cms_state is "
-                                 "keyed by each tensor's position in the groups (an int)")
+                                 "keyed by each tensor's position in the groups (an int). "
+                                 "torch.distributed.checkpoint's load gives such keys back as "
+                                 "strings: save this optimizer's state_dict() with torch.save")
             if not 0 <= i < len(self.params):
                 raise ValueError(f"cms_state[{i!r}]: the optimizer has {len(self.params)} tensors")
             _check_dict(f"cms_state[{i}]", levels)
