@@ -102,3 +102,19 @@ def test_a_compiled_deep_nested_step_computes_what_the_eager_one_does(cms):
     assert all(torch.equal(a, b) for a, b in zip(losses_c, losses_e))
     for pc, pe in zip(model_c.parameters(), model_e.parameters()):
         assert torch.equal(pc, pe)
+
+
+def test_fullgraph_refuses_a_step_saying_why_and_writes_nothing():
+    """fullgraph=True cannot hold a graph break: the error names the reason (the C core's writes
+    are invisible to a trace), and the parameters and state are as before."""
+    p = torch.nn.Parameter(torch.randn(4))
+    p.grad = torch.randn(4)
+    opt = titanmac_c.AdamW([p], lr=0.1)
+    opt.step()
+    before = (p.detach().clone(), opt.state[p]["exp_avg"].clone())
+    for fn in (opt.step, lambda: opt.clip_grad_norm_(1.0),
+               lambda: titanmac_c.clip_grad_norm_([p], 1.0)):
+        with pytest.raises(Exception, match="C core writes tensors through DLPack"):
+            torch.compile(fn, backend="aot_eager", fullgraph=True)()
+    assert torch.equal(p.detach(), before[0]) and torch.equal(opt.state[p]["exp_avg"], before[1])
+    assert float(opt.state[p]["step"]) == 1.0

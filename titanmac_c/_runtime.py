@@ -24,7 +24,14 @@ def eager_only(fn):
     updated weights, and a pending clip coefficient would outlive its gradients), and would
     guard on every Python value fn reads (a scheduled learning rate: a recompilation per step
     until Dynamo's limit)."""
-    return torch.compiler.disable(fn)
+    try:  # the reason is what a fullgraph=True compile's error shows (torch >= 2.7 takes one)
+        return torch.compiler.disable(fn, reason=EAGER_ONLY_REASON)
+    except TypeError:
+        return torch.compiler.disable(fn)
+
+
+EAGER_ONLY_REASON = ("titanmac_c's C core writes tensors through DLPack, which a trace cannot "
+                     "see: its calls run eagerly between graphs (fullgraph=True cannot hold them)")
 
 
 # with the separator: torch's folder name is a prefix of torchvision's
