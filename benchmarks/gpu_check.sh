@@ -11,7 +11,8 @@
 #          OUT=$OUT PACK=1 STEPS="build racecheck memcheck" SAN_TIMEOUT=270 bash ...
 #          OUT=$OUT PACK=1 STEPS="build bench bench64 host train phase1 train_legacy profile dist" \
 #            bash ...
-#        (the suite has grown since those timings: the tests alone may take most of a call)
+#        (the suite has tripled since those timings; the tests step runs it in 8 processes where
+#        pytest-xdist is installed, as on the lent machines)
 # Env:   TITANMAC_CUDA_ARCHS  defaults to the compute capability of GPU 0 (fast build)
 #        OUT                  folder for logs and JSON (default benchmarks/out)
 #        STEPS                which checks to run, always in the script's order (default:
@@ -20,6 +21,8 @@
 #        PACK=1               at the end, pack every file in OUT but summary.txt into
 #                             OUT/gpu_check.tar.gz (a lent machine returns only a few files)
 #        SAN_K, RACE_K        pytest -k selections of memcheck and racecheck (defaults below)
+#        TEST_WORKERS         pytest-xdist processes of the tests step (default 8 where xdist is
+#                             installed; 0: one process)
 #        SAN_TIMEOUT          seconds each sanitizer may run (default: no limit); one stopped
 #                             there reports "timeout" with the tests it got through in its log
 set -uo pipefail
@@ -52,7 +55,15 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 
 step build env TITANMAC_WITH_CUDA=1 python3 -m pip install --no-build-isolation --no-deps -q .
-step tests python3 -P -m pytest -q -rfEs tests
+# With pytest-xdist (the lent machines have it) the suite runs in TEST_WORKERS processes, each
+# with 2 CPU threads (it passes so on the CPU machine too; each process holds its own CUDA
+# context); TEST_WORKERS=0 runs it in one.
+if [ "${TEST_WORKERS:-8}" != 0 ] && python3 -c "import xdist" 2>/dev/null; then
+    PYTEST=(env OMP_NUM_THREADS=2 python3 -P -m pytest -n "${TEST_WORKERS:-8}")
+else
+    PYTEST=(python3 -P -m pytest)
+fi
+step tests "${PYTEST[@]}" -q -rfEs tests
 SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 # The sanitizers run the CUDA-parametrized tests only (the CPU ones do not touch the GPU), less
 # the long parity runs (hundreds of steps of the same kernels; 10-100x slower under a sanitizer).
