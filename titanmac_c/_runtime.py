@@ -1,6 +1,7 @@
 """What every call into the C core needs besides its tensors: threads or stream, scratch, and
 error messages that point at the user's parameters instead of at positions in a flat list."""
 
+import functools
 import math
 import numbers
 import os
@@ -25,9 +26,17 @@ def eager_only(fn):
     guard on every Python value fn reads (a scheduled learning rate: a recompilation per step
     until Dynamo's limit)."""
     try:  # the reason is what a fullgraph=True compile's error shows (torch >= 2.7 takes one)
-        return torch.compiler.disable(fn, reason=EAGER_ONLY_REASON)
+        disabled = torch.compiler.disable(fn, reason=EAGER_ONLY_REASON)
     except TypeError:
-        return torch.compiler.disable(fn)
+        disabled = torch.compiler.disable(fn)
+
+    # a plain function around it binds `self` for methods: torch 2.10's Dynamo called a disabled
+    # method's wrapper without it ("missing 1 required positional argument: 'self'")
+    @functools.wraps(fn)
+    def eager(*args, **kwargs):
+        return disabled(*args, **kwargs)
+
+    return eager
 
 
 EAGER_ONLY_REASON = ("titanmac_c's C core writes tensors through DLPack, which a trace cannot "
