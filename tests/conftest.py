@@ -182,6 +182,18 @@ def reference_and_ours(model, **kw):
 
 
 @torch.no_grad()
+def sync_adamw_from_reference(ref, ours, model_ref, model_ours):
+    """Start ours (AdamW mode) from the reference's parameters and AdamW moments, so a long run
+    checks every step's arithmetic without the ulp differences of earlier steps compounding
+    through the model (the meta state, step counts and multipliers keep running on their own)."""
+    for pr, po in zip(model_ref.parameters(), model_ours.parameters()):
+        po.copy_(pr)
+        sr, so = ref.base_optimizer.state.get(pr), ours.base_optimizer.state.get(po)
+        for key in ("exp_avg", "exp_avg_sq") if sr else ():
+            so[key].copy_(sr[key])
+
+
+@torch.no_grad()
 def sync_cms_from_reference(ref, ours, model_ref, model_ours):
     """Start ours (CMS mode) from the reference's state: parameters, CMS buffers, the momentum
     MLP, its Adam state and its Phase 1 output history. The DirectUpdateMLP path amplifies

@@ -25,7 +25,8 @@ from torch.optim.optimizer import (register_optimizer_step_post_hook,
 
 import titanmac_c
 from titanmac_c._reference_dno import ReferenceDeepNestedOptimizer
-from conftest import DEVICES, checkpoint_roundtrip, reference_and_ours
+from conftest import (DEVICES, checkpoint_roundtrip, reference_and_ours,
+                      sync_adamw_from_reference)
 from dno_models import loss_fn, make_mlp_10_32_5, make_titanmac_like_model, synthetic_batches
 
 PARAM_TOL = dict(rtol=2e-4, atol=2e-6)
@@ -76,18 +77,6 @@ def _compare_state(ref, ours, model_ref, model_ours, step):
                                rtol=1e-5, atol=1e-6)
 
 
-@torch.no_grad()
-def _resync_from_reference(ref, ours, model_ref, model_ours):
-    """Start ours from the reference's parameters and AdamW moments, so a long run checks every
-    step's arithmetic without the ulp differences of earlier steps compounding through the model
-    (the meta state, step counts and multipliers keep running on their own)."""
-    for pr, po in zip(model_ref.parameters(), model_ours.parameters()):
-        po.copy_(pr)
-        sr, so = ref.base_optimizer.state.get(pr), ours.base_optimizer.state.get(po)
-        for key in ("exp_avg", "exp_avg_sq") if sr else ():
-            so[key].copy_(sr[key])
-
-
 def _run(kind, device, steps, tensor_loss=False, meta_every=None, resync_every=None, **kw):
     (model_ref, ref), (model_ours, ours) = _pair(kind, device, **kw)
     batches = synthetic_batches(kind, steps, seed=1, device=device)
@@ -108,7 +97,7 @@ def _run(kind, device, steps, tensor_loss=False, meta_every=None, resync_every=N
             ours.meta_update(val, use_unrolled=False, loss_fn=loss_fn)
         _compare_state(ref, ours, model_ref, model_ours, step)
         if resync_every and step % resync_every == 0:
-            _resync_from_reference(ref, ours, model_ref, model_ours)
+            sync_adamw_from_reference(ref, ours, model_ref, model_ours)
     return ref, ours
 
 

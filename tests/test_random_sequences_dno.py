@@ -16,7 +16,8 @@ import torch
 
 import titanmac_c
 from titanmac_c._reference_dno import ReferenceDeepNestedOptimizer
-from conftest import checkpoint_roundtrip, reference_and_ours, sync_cms_from_reference
+from conftest import (checkpoint_roundtrip, reference_and_ours, sync_adamw_from_reference,
+                      sync_cms_from_reference)
 from dno_models import loss_fn, make_mlp_10_32_5, synthetic_batches
 
 OPERATIONS = ("step", "step", "step", "step_tensor", "set_loss", "nan_loss", "inf_grad", "accum",
@@ -64,18 +65,6 @@ def _compare(ref, ours, model_ref, model_ours, what):
     torch.testing.assert_close(ours.ema_loss, ref.ema_loss, rtol=1e-5, atol=1e-6,
                                msg=lambda m: f"{what}: loss EMA: {m}")
     assert ours.global_step == ref.global_step, what
-
-
-@torch.no_grad()
-def _resync(ref, ours, model_ref, model_ours):
-    if ours._cms is not None:
-        sync_cms_from_reference(ref, ours, model_ref, model_ours)
-        return
-    for pr, po in zip(model_ref.parameters(), model_ours.parameters()):
-        po.copy_(pr)
-        sr, so = ref.base_optimizer.state.get(pr), ours.base_optimizer.state.get(po)
-        for key in ("exp_avg", "exp_avg_sq") if sr and so else ():
-            so[key].copy_(sr[key])
 
 
 def _step(opt, model, op, batch, ours):
@@ -136,7 +125,8 @@ def _run(seed):
             _step(ref, model_ref, op, batches[i], ours=False)
             _step(ours, model_ours, op, batches[i], ours=True)
         _compare(ref, ours, model_ref, model_ours, what)
-        _resync(ref, ours, model_ref, model_ours)
+        sync = sync_cms_from_reference if ours._cms is not None else sync_adamw_from_reference
+        sync(ref, ours, model_ref, model_ours)
 
 
 @pytest.mark.filterwarnings("ignore")  # the skip and no-loss warnings the operations cause

@@ -16,6 +16,9 @@ from . import _C
 # the DeepNestedOptimizer's control and CMS ops take the first three
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
+EAGER_ONLY_REASON = ("titanmac_c's C core writes tensors through DLPack, which a trace cannot "
+                     "see: its calls run eagerly between graphs (fullgraph=True cannot hold them)")
+
 
 def eager_only(fn):
     """fn run eagerly under torch.compile (Dynamo breaks the graph around the call instead of
@@ -25,10 +28,8 @@ def eager_only(fn):
     updated weights, and a pending clip coefficient would outlive its gradients), and would
     guard on every Python value fn reads (a scheduled learning rate: a recompilation per step
     until Dynamo's limit)."""
-    try:  # the reason is what a fullgraph=True compile's error shows (torch >= 2.7 takes one)
-        disabled = torch.compiler.disable(fn, reason=EAGER_ONLY_REASON)
-    except TypeError:
-        disabled = torch.compiler.disable(fn)
+    # the reason is what a fullgraph=True compile's error shows
+    disabled = torch.compiler.disable(fn, reason=EAGER_ONLY_REASON)
 
     # a plain function around it binds `self` for methods: torch 2.10's Dynamo called a disabled
     # method's wrapper without it ("missing 1 required positional argument: 'self'")
@@ -37,10 +38,6 @@ def eager_only(fn):
         return disabled(*args, **kwargs)
 
     return eager
-
-
-EAGER_ONLY_REASON = ("titanmac_c's C core writes tensors through DLPack, which a trace cannot "
-                     "see: its calls run eagerly between graphs (fullgraph=True cannot hold them)")
 
 
 # with the separator: torch's folder name is a prefix of torchvision's
