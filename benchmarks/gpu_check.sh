@@ -7,7 +7,7 @@
 # Usage: bash benchmarks/gpu_check.sh            (from the repository root; needs torch + nvcc)
 #        On a lent machine (10 minutes a call, 30 a session; H100 timings of 2026-11-22: build
 #        ~30 s, tests ~155 s, memcheck and racecheck ~5 and ~20 s a test), three calls:
-#          OUT=$OUT PACK=1 STEPS="build tests train_cms" bash benchmarks/gpu_check.sh
+#          OUT=$OUT PACK=1 STEPS="build tests large train_cms" bash benchmarks/gpu_check.sh
 #          OUT=$OUT PACK=1 STEPS="build racecheck memcheck" SAN_TIMEOUT=270 bash ...
 #          OUT=$OUT PACK=1 STEPS="build bench bench64 host train phase1 train_legacy profile dist" \
 #            bash ...
@@ -16,8 +16,8 @@
 # Env:   TITANMAC_CUDA_ARCHS  defaults to the compute capability of GPU 0 (fast build)
 #        OUT                  folder for logs and JSON (default benchmarks/out)
 #        STEPS                which checks to run, always in the script's order (default:
-#                             all: "build tests racecheck memcheck bench bench64 host train
-#                             train_cms phase1 train_legacy profile dist")
+#                             all: "build tests large racecheck memcheck bench bench64 host
+#                             train train_cms phase1 train_legacy profile dist")
 #        PACK=1               at the end, pack every file in OUT but summary.txt into
 #                             OUT/gpu_check.tar.gz (a lent machine returns only a few files)
 #        SAN_K, RACE_K        pytest -k selections of memcheck and racecheck (defaults below)
@@ -31,8 +31,8 @@ OUT=${OUT:-benchmarks/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 declare -A RESULT
-ALL_STEPS="build tests racecheck memcheck bench bench64 host train train_cms phase1 train_legacy \
-profile dist"
+ALL_STEPS="build tests large racecheck memcheck bench bench64 host train train_cms phase1 \
+train_legacy profile dist"
 STEPS=${STEPS:-$ALL_STEPS}
 
 step() {  # step NAME COMMAND...: run, log to $OUT/NAME.log, remember pass/fail
@@ -64,6 +64,9 @@ else
     PYTEST=(python3 -P -m pytest)
 fi
 step tests "${PYTEST[@]}" -q -rfEs tests
+# Tensors past 2^31 elements on the GPU (~18 GB of its memory; the suite skips them otherwise)
+step large env TITANMAC_LARGE_TESTS=1 python3 -P -m pytest -q -rfEs -k cuda \
+    tests/test_large_tensors.py
 SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 # The sanitizers run the CUDA-parametrized tests only (the CPU ones do not touch the GPU), less
 # the long parity runs (hundreds of steps of the same kernels; 10-100x slower under a sanitizer).
