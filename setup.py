@@ -10,7 +10,9 @@ Environment (defaults first):
   TITANMAC_CUDA_ARCHS  "75;80;86;89;90;120"  SASS for each ("90", "90a", "9.0" accepted),
                                              plus PTX of the highest for newer GPUs; the
                                              default drops those nvcc cannot build
-  TITANMAC_OPENMP      1 | 0          -fopenmp
+  TITANMAC_OPENMP      auto | 0 | 1   -fopenmp; auto: when the C compiler builds and links an
+                                      OpenMP program (Apple's clang does not), else the CPU
+                                      loops run on one thread; 1: OpenMP required
   TITANMAC_NATIVE      0 | 1          -march=native (never in a build meant for other machines)
   TITANMAC_WERROR      0 | 1          -Werror
   TITANMAC_SANITIZE    0 | 1          -fsanitize=address,undefined (load with libasan preloaded)
@@ -29,15 +31,17 @@ from concurrent.futures import ThreadPoolExecutor
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
+from setuptools.errors import CompileError, LinkError
 
 C_DIRS = ["csrc/common", "csrc/core", "csrc/cpu", "csrc/python"]
 INCLUDE_DIRS = ["csrc/include", "csrc/common", "csrc/cpu", "csrc/cuda", "csrc/core", "csrc/python"]
 # -fno-trapping-math: we never enable FP traps, and without it GCC will not if-convert a float
 # select (cond ? a : b) whose arm it sank into a branch, so a loop holding one stops vectorizing
-# (the CMS exp's clamps, 14% of a CMS step). It changes no result: no reassociation, no
-# contraction (ISO C11 keeps -ffp-contract=off).
+# (the CMS exp's clamps, 14% of a CMS step). It changes no result: no reassociation.
+# -ffp-contract=off: no a * b + c fused into an FMA, so every backend rounds as the scalar code
+# reads (GCC's default under -std=c11; clang's default fuses within an expression).
 C_FLAGS = ["-std=c11", "-O3", "-Wall", "-Wextra", "-fvisibility=hidden", "-fno-math-errno",
-           "-fno-trapping-math"]
+           "-fno-trapping-math", "-ffp-contract=off"]
 NVCC_FLAGS = ["-std=c++17", "-O3", "-lineinfo", "-Xcompiler", "-fPIC",
               "-Xcompiler", "-fvisibility=hidden"]
 DEFAULT_ARCHS = "75;80;86;89;90;120"
@@ -75,6 +79,22 @@ def find_cuda():
                     return nvcc, lib
             return nvcc, None
     return None, None
+
+
+def openmp_missing(compiler, build_temp):
+    """None when the C compiler builds and links a program with -fopenmp, else why not."""
+    probe_dir = os.path.join(build_temp, "openmp_probe")
+    os.makedirs(probe_dir, exist_ok=True)
+    src = os.path.join(probe_dir, "probe.c")
+    with open(src, "w") as f:
+        f.write("#include <omp.h>\nint main(void) { return omp_get_max_threads() > 0 ? 0 : 1; }\n")
+    try:
+        objects = compiler.compile([src], output_dir=probe_dir, extra_postargs=["-fopenmp"])
+        compiler.link_executable(objects, "probe", output_dir=probe_dir,
+                                 extra_postargs=["-fopenmp"])
+    except (CompileError, LinkError):
+        return f"{compiler.compiler_so[0]} cannot build and link with -fopenmp"
+    return None
 
 
 def default_archs(nvcc):
@@ -125,7 +145,14 @@ class BuildExt(build_ext):
 
         cflags = list(C_FLAGS)
         ldflags, libraries, library_dirs = [], [], []
-        if env_on("TITANMAC_OPENMP", "1"):
+        openmp_mode = os.environ.get("TITANMAC_OPENMP", "auto").strip().lower()
+        if openmp_mode not in ("auto", "0", "1"):
+            raise SystemExit(f"titanmac_c: TITANMAC_OPENMP={openmp_mode!r}: expected auto, 0 or 1")
+        no_openmp = ("TITANMAC_OPENMP=0" if openmp_mode == "0" else
+                     openmp_missing(self.compiler, self.build_temp))
+        if openmp_mode == "1" and no_openmp:
+            raise SystemExit(f"titanmac_c: TITANMAC_OPENMP=1 but {no_openmp}")
+        if not no_openmp:
             cflags.append("-fopenmp")
             ldflags.append("-fopenmp")
         if env_on("TITANMAC_NATIVE", "0"):
@@ -145,7 +172,7 @@ class BuildExt(build_ext):
         archs = os.environ.get("TITANMAC_CUDA_ARCHS") or (default_archs(nvcc) if with_cuda else "")
         print("titanmac_c: building backends: cpu ({}{}){}".format(
             "generic" + (", avx2, avx512" if IS_X86_64 else ""),
-            ", openmp" if "-fopenmp" in cflags else "",
+            f", no OpenMP: {no_openmp}, one thread" if no_openmp else ", openmp",
             f" + cuda (archs {archs}, {nvcc})" if with_cuda else f" only (no CUDA: {missing})"),
             flush=True)
 

@@ -13,7 +13,23 @@
 #include "../common/tm_status.h"
 #include "cpu_ops.h"
 
+#if TM_CPU_X86
+#include <cpuid.h>
+#endif
+
 static _Atomic(const cpu_kernels *) cpu_active = NULL;
+
+#if TM_CPU_X86
+/* F16C (the half <-> float conversions both wide tables use) from CPUID leaf 1: clang before 16
+ * refuses "f16c" in __builtin_cpu_supports at compile time. Its registers are AVX's, whose OS
+ * support the "avx2" check below already requires. */
+static int
+has_f16c(void)
+{
+    unsigned int eax, ebx, ecx, edx;
+    return __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & bit_F16C) != 0;
+}
+#endif
 
 /* 1 when this build has the table and the running CPU can execute it. */
 static int
@@ -24,11 +40,10 @@ isa_supported(const cpu_kernels *k)
     if (k == &cpu_kernels_avx512) {
         return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx2") &&
-               __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+               __builtin_cpu_supports("fma") && has_f16c();
     }
     if (k == &cpu_kernels_avx2) {
-        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-               __builtin_cpu_supports("f16c");
+        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && has_f16c();
     }
 #endif
     return k == &cpu_kernels_generic;
