@@ -26,7 +26,6 @@ import platform
 import re
 import shutil
 import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 
 from setuptools import Extension, setup
