@@ -30,7 +30,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
-from setuptools.errors import CompileError, LinkError
+try:
+    from setuptools.errors import CompileError, LinkError
+except ImportError:  # setuptools < 59, reachable with --no-build-isolation
+    from distutils.errors import CompileError, LinkError
 
 C_DIRS = ["csrc/common", "csrc/core", "csrc/cpu", "csrc/python"]
 INCLUDE_DIRS = ["csrc/include", "csrc/common", "csrc/cpu", "csrc/cuda", "csrc/core", "csrc/python"]
