@@ -61,6 +61,14 @@ def env_on(name, default):
     return value in ("1", "true", "yes", "on")
 
 
+def env_mode(name):
+    """An auto | 0 | 1 setting (default auto)."""
+    value = os.environ.get(name, "auto").strip().lower()
+    if value not in ("auto", "0", "1"):
+        raise SystemExit(f"titanmac_c: {name}={value!r}: expected auto, 0 or 1")
+    return value
+
+
 def c_sources():
     return [p for d in C_DIRS for p in sorted(glob.glob(os.path.join(d, "*.c")))]
 
@@ -132,9 +140,7 @@ class BuildExt(build_ext):
     with nvcc), skipping objects whose source, headers and command are unchanged, then links."""
 
     def build_extension(self, ext):
-        cuda_mode = os.environ.get("TITANMAC_WITH_CUDA", "auto").strip().lower()
-        if cuda_mode not in ("auto", "0", "1"):
-            raise SystemExit(f"titanmac_c: TITANMAC_WITH_CUDA={cuda_mode!r}: expected auto, 0 or 1")
+        cuda_mode = env_mode("TITANMAC_WITH_CUDA")
         cu_files = sorted(glob.glob("csrc/cuda/*.cu"))
         nvcc, cuda_lib = find_cuda() if cuda_mode != "0" else (None, None)
         missing = ("TITANMAC_WITH_CUDA=0" if cuda_mode == "0" else
@@ -147,9 +153,7 @@ class BuildExt(build_ext):
 
         cflags = list(C_FLAGS)
         ldflags, libraries, library_dirs = [], [], []
-        openmp_mode = os.environ.get("TITANMAC_OPENMP", "auto").strip().lower()
-        if openmp_mode not in ("auto", "0", "1"):
-            raise SystemExit(f"titanmac_c: TITANMAC_OPENMP={openmp_mode!r}: expected auto, 0 or 1")
+        openmp_mode = env_mode("TITANMAC_OPENMP")
         no_openmp = ("TITANMAC_OPENMP=0" if openmp_mode == "0" else
                      openmp_missing(self.compiler, self.build_temp))
         if openmp_mode == "1" and no_openmp:
