@@ -32,6 +32,25 @@ def test_extension_is_compiled_c():
     assert titanmac_c.cpu_isa() in ("generic", "avx2", "avx512")
 
 
+def test_a_torch_older_than_2_10_is_refused_at_import():
+    """pyproject's torch>=2.10 binds only pip's resolver: an older torch installed otherwise is
+    named at import instead of failing in the middle of a step. Dev builds of 2.10 are taken."""
+    probe = ("import sys, torch; torch.__version__ = sys.argv[1]; import titanmac_c; "
+             "print(titanmac_c._TORCH_RELEASE)")
+    for version, refused in (("2.9.1", True), ("1.13.0", True), ("2.10.0a0+git1234", False),
+                             ("2.11.0+cu128", False), ("3.0.0", False)):
+        done = subprocess.run([sys.executable, "-c", probe, version], capture_output=True,
+                              text=True)
+        if refused:
+            assert done.returncode != 0
+            assert (f"ImportError: titanmac_c needs torch >= 2.10; this is torch {version}"
+                    in done.stderr)
+        else:
+            assert done.returncode == 0, done.stderr
+            major, minor = version.split(".")[:2]
+            assert done.stdout.strip() == str((int(major), int(minor)))
+
+
 def test_cuda_backend_present_when_required():
     """CI sets TITANMAC_EXPECT_CUDA=1 when nvcc is on the machine (TITANMAC_WITH_CUDA=1 build)."""
     expected = os.environ.get("TITANMAC_EXPECT_CUDA") == "1"

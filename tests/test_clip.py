@@ -3,6 +3,7 @@
 import copy
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -158,8 +159,14 @@ def test_edge_cases_like_torch():
     with pytest.warns(UserWarning, match="empty generator") as record:  # torch's warning: a
         titanmac_c.clip_grad_norm_(gen, 1.0)  # model.parameters() generator used up
     assert record[0].filename == __file__
-    with pytest.raises(TypeError, match=r"tensors\[1\]: expected a tensor, got float"):
+    with pytest.raises(TypeError, match=r"tensors\[1\]: expected a torch.Tensor, got float"):
         titanmac_c.get_total_norm([p.grad, 3.0])  # torch: TypeError too
+    # another library's array (NumPy 2's has a .device, the string 'cpu'): torch's TypeError
+    array = np.ones(3, dtype=np.float32)
+    for call in (lambda: titanmac_c.get_total_norm([array]),
+                 lambda: titanmac_c.functional.group_norms([p.grad, array])):
+        with pytest.raises(TypeError, match=r"\[[01]\]: expected a torch.Tensor, got ndarray"):
+            call()
 
 
 @pytest.mark.parametrize("norm_type", ["inf", "2", "1.5"])

@@ -397,6 +397,73 @@ def test_in_place_writes_bump_version_counters_like_torch(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_a_backward_after_the_step_under_allow_mutation_on_saved_tensors_as_torch(device):
+    """Under torch.autograd.graph.allow_mutation_on_saved_tensors(), torch clones a tensor saved
+    for backward before an in-place op changes it, so a backward after the step takes the values
+    of before it. It sees torch's ops, not the C core's writes: the shim lets it clone first.
+    A weight saved by the forward, then the step (full path, then the cached plan's), the clip of
+    a gradient a double-backward graph saved, and the backward: the same gradients as torch's."""
+    results = []
+    for make, clip in ((torch.optim.AdamW, torch.nn.utils.clip_grad_norm_),
+                       (titanmac_c.AdamW, titanmac_c.clip_grad_norm_)):
+        gen = torch.Generator().manual_seed(0)
+        w = torch.nn.Parameter(torch.randn(4, 3, generator=gen).to(device))
+        x = torch.randn(2, 4, generator=gen).to(device).requires_grad_()
+        opt = make([w], lr=0.5)
+        with torch.autograd.graph.allow_mutation_on_saved_tensors():
+            out = (x @ w).pow(2).sum()
+            grads = []
+            for _ in range(2):
+                w.grad = torch.ones_like(w)
+                opt.step()
+                grads.append(torch.autograd.grad(out, x, retain_graph=True)[0])
+            g = torch.full((3,), 2.0, device=device, requires_grad=True)
+            v = torch.nn.Parameter(torch.zeros(3, device=device))
+            v.grad = g * 1.0
+            saved_grad = (v.grad * g).sum()  # saves v.grad
+            clip([v], 1.0)
+            grads.append(torch.autograd.grad(saved_grad, g)[0])
+        results.append((grads, w.detach().clone()))
+    (ours, w_ours), (theirs, w_theirs) = results[1], results[0]
+    assert not torch.equal(w_ours, w_theirs.new_zeros(w_theirs.shape))
+    torch.testing.assert_close(w_ours, w_theirs, rtol=1e-6, atol=1e-7)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_keyboard_interrupt_after_the_first_steps_write_keeps_the_state(device, monkeypatch):
+    """Ctrl-C during a first step (a large model's takes a while): Python raises the
+    KeyboardInterrupt at the first instruction after the C call returns, here made to happen in
+    the version bump that follows it. The parameters are stepped; their new state must be there
+    too (it was committed after the calls), as torch's fused AdamW leaves both, so the next step
+    (or a checkpoint in a signal handler) goes on from step 1 instead of restarting."""
+    params_a = make_params(SIZES[:3], device, misaligned=False)
+    params_b = clone_params(params_a)
+    ours = titanmac_c.AdamW(params_a, lr=1e-2, weight_decay=0.01)
+    theirs = torch.optim.AdamW(params_b, lr=1e-2, weight_decay=0.01)
+    real = titanmac_c.optim.mark_written
+
+    def interrupted(*lists):
+        monkeypatch.setattr(titanmac_c.optim, "mark_written", real)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(titanmac_c.optim, "mark_written", interrupted)
+    for step in range(3):
+        set_grads(params_a, params_b, step)
+        if step == 0:
+            with pytest.raises(KeyboardInterrupt):
+                ours.step()
+        else:
+            ours.step()
+        theirs.step()
+        for a, b in zip(params_a, params_b):
+            for key in ("step", "exp_avg", "exp_avg_sq"):
+                torch.testing.assert_close(ours.state[a][key], theirs.state[b][key],
+                                           **tol(torch.float32, device))
+            torch.testing.assert_close(a, b, **tol(torch.float32, device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_a_clip_coefficient_applies_to_the_next_step_only(device):
     """clip_grad_norm_ at steps 1 and 3 of 5 (gradients re-assigned each step, no zero_grad)
     matches torch's clip_grad_norm_ + AdamW after every step: a coefficient is used by the step

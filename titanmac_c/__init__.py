@@ -17,6 +17,16 @@ except ImportError as exc:  # pragma: no cover - only reached with a broken inst
         "source directory without building picks up the sources instead of the installed package."
     ) from exc
 
+import re as _re
+
+import torch as _torch
+
+# pyproject requires torch >= 2.10, which pip cannot enforce on a torch installed otherwise (conda,
+# --no-deps): older ones lack APIs the package uses and would fail in the middle of a step
+_TORCH_RELEASE = tuple(map(int, _re.match(r"(\d+)\.(\d+)", _torch.__version__).groups()))
+if _TORCH_RELEASE < (2, 10):
+    raise ImportError(f"titanmac_c needs torch >= 2.10; this is torch {_torch.__version__}")
+
 from .deep_nested import DeepNestedOptimizer
 from .functional import clip_grad_norm_, get_total_norm, group_norms
 from .optim import AdamW
@@ -28,11 +38,7 @@ __version__ = "0.1.0"
 
 def cuda_available() -> bool:
     """True when this build has the CUDA backend and torch sees a GPU. Makes no CUDA call itself."""
-    if not _C.cuda_compiled():
-        return False
-    import torch
-
-    return torch.cuda.is_available()
+    return _C.cuda_compiled() and _torch.cuda.is_available()
 
 
 def cpu_isa() -> str:

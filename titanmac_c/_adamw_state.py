@@ -50,6 +50,28 @@ def normalize_steps(optimizer, copy=False):
                 step_count(state, p.device, copy)
 
 
+class CommittedNewState:
+    """A first step's new state, put into the optimizer's state before the C calls: Python raises
+    a KeyboardInterrupt at the first instruction after a call returns, which would otherwise
+    leave parameters stepped without their state (torch's fused AdamW leaves both)."""
+
+    def __init__(self, state, new_state):
+        self.found = {p: state.get(p) for p in new_state}  # None, or an empty dict
+        state.update(new_state)
+
+    def take_back(self, state, refused, batches):
+        """After the C call of batch `refused` raised (before any write), and the batches after
+        it did not run: their parameters' state as it was found."""
+        later = batches[batches.index(refused):]
+        for p in (p for batch in later for p in batch.owners):
+            if p in self.found:
+                entry = self.found.pop(p)
+                if entry is None:
+                    del state[p]
+                else:
+                    state[p] = entry
+
+
 def malformed_state(name, state, error):
     """A ValueError naming the parameter whose state entry lacks a key or holds a step that is
     no number (found while collecting, before any write)."""

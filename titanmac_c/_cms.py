@@ -25,7 +25,7 @@ from ._reference_dno import (
     _fused_clip_grad_norm_,
     _tensor_stats,
 )
-from ._runtime import dense_order, exec_kwargs, mark_written
+from ._runtime import before_write, dense_order, exec_kwargs, mark_written
 from ._surrogate import SurrogatePlan, surrogate_gradient
 
 PHASE1_PLANS_KEPT = 4  # Phase 1 layouts whose SurrogatePlan is kept (CUDA's way)
@@ -234,6 +234,8 @@ class CMSModeMixin:
         if not params:
             return
         idx = self._cms_indices(params)
+        if not check_only:
+            before_write(params)
         try:
             # a gradient laid out otherwise than its parameter, buffers of a parameter relaid
             # out since: the C core refuses them (it pairs elements by their place in memory)

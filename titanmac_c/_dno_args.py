@@ -1,6 +1,7 @@
-"""The DeepNestedOptimizer's constructor arguments and model, checked when the optimizer is built:
-what the reference would take and then fail on (or train with torch ops, which the C core does
-not run) is refused here with the argument's or the parameter's name."""
+"""The DeepNestedOptimizer's constructor arguments and model, checked when the optimizer is built
+(and the loss each step is given): what the reference would take and then fail on (or train with
+torch ops, which the C core does not run) is refused here with the argument's or the parameter's
+name."""
 
 import math
 import numbers
@@ -82,7 +83,7 @@ def check_c_limits(opt):
 
 
 def check_float(name, value, low=0.0):
-    value = as_number(name, value)  # None or a string: a ValueError naming the argument
+    value = as_number(name, value)  # None or a string: a TypeError naming the argument
     if not (math.isfinite(value) and value >= low):
         raise ValueError(f"{name} = {value}: must be finite and >= {low}")
     return value
@@ -146,3 +147,17 @@ def check_grouped(groups, group_names, device, cms):
             if p.layout != torch.strided or not (p.is_contiguous() or dense_order(p) is not None):
                 raise BufferError(f"parameter {name!r}: not dense in any order (a strided "
                                   "slice: e.g. p.data = p.data.contiguous())")
+
+
+def check_loss_value(loss):
+    """step()'s loss: a one-element real tensor (read on the device) or a number."""
+    if isinstance(loss, torch.Tensor):
+        if loss.numel() != 1:
+            raise ValueError(f"loss_value: a tensor loss must have 1 element, "
+                             f"got shape {tuple(loss.shape)}")
+        if loss.is_complex() or loss.device.type == "meta":
+            raise ValueError(f"loss_value: a {loss.dtype} tensor on {loss.device}: expected "
+                             "a real value")
+        return loss
+    # a string, a list, a complex: TypeError, as the reference's float() of it
+    return as_number("loss_value", loss, "a number or a one-element tensor")

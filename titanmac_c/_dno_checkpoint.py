@@ -98,8 +98,11 @@ def _checked_tensor(where, value, shape, device):
 class CheckpointMixin:
     """state_dict / load_state_dict of DeepNestedOptimizer."""
 
-
     def state_dict(self):
+        """The reference's layout (spec appendix A), for torch.save: the AdamW state, both
+        networks and the meta-optimizer, the step count, the multipliers and loss EMA, and in
+        CMS mode cms_state ({tensor index: {level: buffers}}). Tensors by reference, as torch's
+        optimizers return them."""
         base = self.base_optimizer.state_dict()
         if self._cms is None:
             # the reference's AdamW groups hold base_lr * mu_g of the last step (one host read

@@ -89,6 +89,15 @@ class ControlStepMixin:
     _weight_views = {} (the cache of _weights_of), _param_names, and _group_watch = GroupWatch()
     with _ungrouped and _model_edits (the state of _ungrouped_grads)."""
 
+    def __setstate__(self, state):
+        """Unpickled (torch.load of the whole optimizer, a spawned worker, a deep copy): the edit
+        count saved is another process's, whose registration hooks this process may not have
+        (none is installed before a constructor runs). Install them, and let the next step list
+        the parameters outside the groups and the modules' weights anew."""
+        self.__dict__.update(state)
+        self._model_edits = watch_model_edits() - 1
+        self._weight_views = {}
+
     def _check_group_count(self):
         """Refuses a step over another number of groups than the controller's."""
         groups = self.base_optimizer.param_groups

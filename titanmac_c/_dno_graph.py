@@ -17,7 +17,7 @@ from . import _C
 from . import _profiling as prof
 from ._dno_args import check_float, check_rate_range
 from ._flat import lay_out_state
-from ._runtime import mark_written
+from ._runtime import before_write, mark_written
 
 
 class GraphState:
@@ -99,6 +99,8 @@ class GraphState:
         # that trains the DirectUpdateMLP (Phase 1: torch ops and torch's Adam, eager) replays
         # two: the statistics and control, whose clip coefficient and skip flag Phase 1 reads,
         # then Phase 2.
+        written = (params, self.static_grads if opt._cms is None else ())
+        before_write(*written)
         fires = None if opt._cms is None else tuple(opt._cms.fires(t))
         if opt._cms is not None and opt._phase1_due(t):
             self._replay(("head", update), lambda: self._captured_head(t, update))
@@ -113,7 +115,7 @@ class GraphState:
                                                    self._captured_tail(t)))
         # a replay writes what the eager step's calls mark (parameters; gradients zeroed on a
         # skip in AdamW mode)
-        mark_written(params, self.static_grads if opt._cms is None else ())
+        mark_written(*written)
         return True
 
     def _lay_out_state(self, params):

@@ -97,8 +97,13 @@ class MetaLearningMixin:
 
     @eager_only
     def meta_update(self, val_batch, train_batches=None, loss_fn=None, use_unrolled=True):
-        """Spec 9.4, simplified branch. The unrolled branch is broken in the reference (B3) and
-        raises NotImplementedError here."""
+        """Spec 9.4, simplified branch: the controller and the momentum network learn from the
+        loss on val_batch (loss_fn(model, batch); by default model(batch)'s "loss" entry, else
+        its "total", else the output itself; a dict batch's tensors cut to their first 4 rows
+        when its "input_ids" has more, as the reference). The reference takes its unrolled
+        branch when use_unrolled and train_batches holds at least k_unroll batches; that branch
+        is broken in the reference (B3) and raises NotImplementedError here. With fewer batches
+        (or none) both take the simplified branch."""
         loss_fn = loss_fn or _default_loss_fn
         if use_unrolled and train_batches is not None and len(train_batches) >= self.k_unroll:
             raise NotImplementedError(

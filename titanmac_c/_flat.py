@@ -193,6 +193,7 @@ class Batch:
     def _precheck_entries(self):
         for i, p in enumerate(self.params):
             name = self.names[i]
+            self._precheck_memory(i, name)
             if is_strided_only(p):
                 raise BufferError(f"params[{i}]: not contiguous, nor dense in another order "
                                   f"({name})")
@@ -213,6 +214,18 @@ class Batch:
             if (not isinstance(step, torch.Tensor) or step.dtype != torch.float32
                     or step.numel() != 1 or step.device != p.device):
                 raise ValueError(f"{name}: step must be a float32 scalar on {p.device}")
+
+
+    def _precheck_memory(self, i, name):
+        """Entry i's tensors have memory (a meta tensor, or a subclass wrapping other tensors,
+        has none: data_ptr() 0), named as the C core names them."""
+        roles = [("params", self.params), ("grads", self.grads), ("exp_avg", self.exp_avgs),
+                 ("exp_avg_sq", self.exp_avg_sqs)]
+        for role, tensors in roles + ([("max_exp_avg_sq", self.max_exp_avg_sqs)]
+                                      if self.amsgrad else []):
+            t = tensors[i]
+            if isinstance(t, torch.Tensor) and t.numel() and t.data_ptr() == 0:
+                raise BufferError(f"{role}[{i}]: data is NULL for {t.numel()} elements ({name})")
 
 
 def groups_snapshot(groups):

@@ -72,12 +72,23 @@ def mark_written(*lists):
     tensor's version counter, so a backward through a graph that saved the old values raises
     ("modified by an inplace operation") instead of silently using the new ones; writes through
     DLPack bypass that, so the bump is made here (~40 ns a tensor)."""
-    tensors = [t for ts in lists for t in ts]
-    try:
-        torch.autograd.graph.increment_version(tensors)  # a list: torch >= 2.5
-    except (TypeError, RuntimeError):
-        for t in tensors:  # torch 2.4 takes one tensor at a time
-            torch.autograd.graph.increment_version(t)
+    torch.autograd.graph.increment_version([t for ts in lists for t in ts])
+
+
+def before_write(*lists):
+    """Call before the C core writes these tensors in place. Under
+    torch.autograd.graph.allow_mutation_on_saved_tensors(), torch keeps a tensor saved for
+    backward by cloning it before an in-place op changes it, and sees the op through a dispatch
+    mode, which writes through DLPack bypass: an in-place copy of each tensor onto itself (no
+    pass over memory: torch returns early for it) lets the mode clone the saved ones first.
+    Outside that context: one attribute read."""
+    if not getattr(torch.autograd.graph, "_allow_mutation_on_saved_tensors_enabled", False):
+        return
+    with torch.no_grad():  # a leaf parameter that requires grad takes it then, as in a step
+        for ts in lists:
+            for t in ts:
+                if not t.is_inference():  # (which no graph saves)
+                    t.copy_(t)
 
 
 _DENSE_ORDERS = {}  # (shape, strides) -> dense_order's answer: a model has few layouts
@@ -213,14 +224,16 @@ def reraise_with_names(exc: Exception, flat_names, group_names=None, lists=None,
 
 
 def as_number(name: str, value, expected: str = "a number") -> float:
-    """float(value) for an argument the user gave; anything else (a string, which float() would
-    parse but torch's math would not, None, a tensor of several elements) is a ValueError
-    naming it."""
+    """float(value) for an argument the user gave, with errors naming it: something that is not
+    a number (None, a list, a string, which float() would parse but torch's math would not) is a
+    TypeError, as torch's arithmetic raises on it; a tensor of several elements a ValueError."""
+    if isinstance(value, (str, bytes)):
+        raise TypeError(f"{name} = {value!r}: expected {expected}")
     try:
-        if isinstance(value, (str, bytes)):
-            raise TypeError
         return float(value)
-    except (TypeError, ValueError, RuntimeError):
+    except TypeError:
+        raise TypeError(f"{name} = {value!r}: expected {expected}") from None
+    except (ValueError, RuntimeError):
         raise ValueError(f"{name} = {value!r}: expected {expected}") from None
 
 
@@ -277,6 +290,6 @@ def compute_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-__all__ = ["exec_kwargs", "mark_written", "norms_scratch", "Scratch", "reraise_with_names",
+__all__ = ["before_write", "exec_kwargs", "mark_written", "norms_scratch", "Scratch", "reraise_with_names",
            "as_number", "is_one_number", "float_in_range", "compute_dtype", "real_view",
            "memory_real_view", "COMPLEX_DTYPES", "_C"]

@@ -68,6 +68,7 @@ from ._dno_args import (
     check_frequencies,
     check_grouped,
     check_int,
+    check_loss_value,
     check_rate_range,
     loss_in_float32_range,
     model_device,
@@ -83,7 +84,13 @@ from .optim import AdamW
 
 class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin, MetaLearningMixin,
                           CheckpointMixin):
-    """Drop-in for titans_core.opt.DeepNestedOptimizer (constructor of spec 2.1)."""
+    """Drop-in for titans_core.opt.DeepNestedOptimizer (constructor of spec 2.1): AdamW over the
+    model's two parameter groups (core, embed) whose learning rates a small controller network
+    sets each step from gradient statistics, with global-norm clipping and a NaN guard; with
+    use_cms_updates=True, multi-level continuum-memory momentum from a learned momentum network
+    instead of AdamW. Call step(loss) after backward(); state_dict() saves the reference's
+    layout. fix_reference_bugs=True turns on the corrected behaviour of spec 14's B1, B4, B6 and
+    B7 (off: the reference's results, bugs included)."""
 
     def __init__(self, model, base_lr=1e-3, meta_lr=1e-4, k_unroll=5, cms_frequencies=None,
                  momentum_hidden_dim=64, momentum_num_layers=2, controller_hidden_dim=32,
@@ -242,6 +249,7 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin, MetaLearningMixin,
         self._param_groups = value  # stored only, no effect: the reference's setter (spec 12)
 
     def set_loss(self, loss_value):
+        """The loss the next step() without an argument uses (then forgotten)."""
         self._stored_loss = loss_value
 
     def zero_grad(self, set_to_none=True):
@@ -252,9 +260,12 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin, MetaLearningMixin,
         self.base_optimizer.zero_grad(set_to_none=set_to_none)
 
     def get_lr_multipliers(self):
+        """The controller's learning-rate multipliers of the last step, one per group (a copy of
+        the device tensor)."""
         return self._lr_multipliers.clone()
 
     def get_effective_lrs(self):
+        """base_lr times each group's multiplier, as floats (a host read)."""
         return [self.base_lr * m for m in self._lr_multipliers.tolist()]
 
     # ------------------------------------------------------------------ spec 5, the step
@@ -323,18 +334,7 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin, MetaLearningMixin,
                 warnings.warn("DeepNestedOptimizer.step() called without a loss value; using 0.0")
                 self._warned_no_loss = True
             return 0.0
-        if isinstance(loss, torch.Tensor):
-            if loss.numel() != 1:
-                raise ValueError(f"loss_value: a tensor loss must have 1 element, "
-                                 f"got shape {tuple(loss.shape)}")
-            if loss.is_complex() or loss.device.type == "meta":
-                raise ValueError(f"loss_value: a {loss.dtype} tensor on {loss.device}: expected "
-                                 "a real value")
-            return loss
-        try:
-            return as_number("loss_value", loss, "a number or a one-element tensor")
-        except ValueError as err:  # a string, a list, a complex: the wrong type (the reference's
-            raise TypeError(str(err)) from None  # float() of it raises TypeError too)
+        return check_loss_value(loss)
 
     def _eager_step(self, t, update, check_loss):
         with prof.step_range(prof.STATS):

@@ -34,6 +34,7 @@ from ._runtime import (
     exec_kwargs,
     is_expanded,
     is_strided_only,
+    before_write,
     mark_written,
     memory_real_view,
     norms_scratch,
@@ -87,6 +88,13 @@ def _check_max_norm(max_norm) -> float:
     return max_norm
 
 
+def _check_is_tensor(label, i, t):
+    """A torch tensor, as torch's functions take: another library's array (NumPy's has a .device
+    too, a string) has no torch device to put the outputs on."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{label}[{i}]: expected a torch.Tensor, got {type(t).__name__}")
+
+
 def _by_device(label, tensors):
     """The tensors that are not None grouped by device, in first-seen order, each group as
     (their positions in tensors, the tensors): the C core numbers each call's own list, and an
@@ -94,12 +102,8 @@ def _by_device(label, tensors):
     groups = {}
     for i, t in enumerate(tensors):
         if t is not None:
-            try:
-                device = t.device
-            except AttributeError:
-                raise TypeError(f"{label}[{i}]: expected a tensor, got "
-                                f"{type(t).__name__}") from None
-            positions, ts = groups.setdefault(device, ([], []))
+            _check_is_tensor(label, i, t)
+            positions, ts = groups.setdefault(t.device, ([], []))
             positions.append(i)
             ts.append(t)
     return groups
@@ -155,6 +159,7 @@ def _scale_grads(device, positions, grads, coef, *written):
     """grads *= coef (a float32 or float64 [1] tensor on device), in one C call; gradients the C
     core cannot take in place (strided slices) by torch's mul_ after it."""
     kwargs = exec_kwargs(device)
+    before_write(grads, *written)
     try:
         _call_named("parameters", positions, lambda ts: _C.scale_(ts, coef, **kwargs), grads)
     except BufferError:
@@ -355,6 +360,9 @@ def group_norms(grads, params=None, group_of=None, num_groups=1, norm_type=2.0):
         raise ValueError(f"num_groups = {num_groups}: must be >= 1")
     if len(grads) == 0:
         raise ValueError("grads: at least one tensor is needed to know the device")
+    for label, tensors in (("grads", grads), ("params", params or ())):
+        for i, t in enumerate(tensors):
+            _check_is_tensor(label, i, t)
     device = grads[0].device
     n_out = 2 * num_groups + 3
     out = torch.empty(n_out, dtype=_compute_dtype(grads + (params or [])), device=device)

@@ -14,7 +14,7 @@ from torch.optim import Optimizer
 from . import _C
 from . import _profiling as prof
 from ._adamw_hparams import Hyperparameters, scalar
-from ._adamw_state import check_loaded_state, init_state, normalize_steps
+from ._adamw_state import CommittedNewState, check_loaded_state, init_state, normalize_steps
 from ._amp import AmpScaling
 from ._distributed import dtensor_type
 from ._flat import Batch, Plan
@@ -27,6 +27,7 @@ from ._runtime import (
     check_supported_dtype,
     eager_only,
     exec_kwargs,
+    before_write,
     mark_written,
     reraise_with_names,
 )
@@ -170,15 +171,17 @@ class AdamW(Optimizer):
         total_norm: the norm already computed (e.g. group_norms().total_grad, or what
         get_total_norm returned): a one-element floating tensor or a number; then no pass over
         the gradients is made here, and the result has its dtype. The gradients themselves are not
-        modified. The coefficient serves only these gradients: a zero_grad() (the optimizer's or
-        the model's) or a gradient set anew before the step drops it, as torch's clipped
-        gradients would be gone, and a gradient it did not see (a parameter added, or given its
-        gradient, after it) steps unclipped; one changed in place (another backward, an in-place
+        modified. The coefficient serves only these gradients: this optimizer's zero_grad()
+        drops it; a gradient set to None or set anew before the step (the model's zero_grad()
+        included) is taken unclipped, as torch's clipped one goes with it, while the others stay
+        clipped; a gradient it did not see (a parameter added, or given its gradient, after it)
+        steps unclipped; one changed in place (another backward, an in-place
         edit) steps unclipped with a warning, where torch's keeps its clipped part: clip after
         the last backward. A second call before the step first scales the gradients by the
         pending coefficient, in place, as torch's first clip left them, and measures them so.
         The coefficient serves one step: a second step() on the same gradients takes them
-        unclipped, where torch's stay clipped. load_state_dict() keeps it.
+        unclipped, where torch's stay clipped. load_state_dict() keeps it; a copy of the
+        optimizer (deepcopy, pickle) holds none.
         """
         if self._pending_clip.watched:
             self._pending_clip.apply_to_kept_gradients()
@@ -244,9 +247,13 @@ class AdamW(Optimizer):
             for batch in batches:
                 batch.check_grads_storable()
         self._pending_clip.keep_to([p for batch in batches for p in batch.owners])
+        committed = CommittedNewState(self.state, new_state)
         for batch in batches:
-            self._run_batch(batch, groups, lrs, *args)
-        self.state.update(new_state)
+            try:
+                self._run_batch(batch, groups, lrs, *args)
+            except Exception:
+                committed.take_back(self.state, batch, batches)
+                raise
         self._pending_clip.clear()
         n_params = sum(len(g["params"]) for g in self.param_groups)
         if len(batches) == 1 and len(batches[0].params) == n_params and not batches[0].no_plan:
@@ -359,6 +366,8 @@ class AdamW(Optimizer):
             if nbytes is None:
                 nbytes = self._scratch_bytes[sig] = _C.adamw_scratch_bytes(*lists)
             scratch = self._scratch.get(device, nbytes)
+        grads_written = zero_grads_on_skip or loss_scale is not None
+        before_write(batch.params, batch.wrappers, batch.grads if grads_written else ())
         try:
             _C.adamw_step(*lists, lr, groups, batch.group_of, amsgrad=batch.amsgrad,
                           grad_scale=grad_scale, skip=skip, scratch=scratch,
@@ -375,5 +384,4 @@ class AdamW(Optimizer):
                     grad.copy_(copy)
         # the tensors autograd may hold: parameters, and gradients the call may write (the
         # state's versions are left alone: no graph saves optimizer state)
-        mark_written(batch.params, batch.wrappers,
-                     batch.grads if zero_grads_on_skip or loss_scale is not None else ())
+        mark_written(batch.params, batch.wrappers, batch.grads if grads_written else ())
