@@ -32,15 +32,17 @@ def test_extension_is_compiled_c():
     assert titanmac_c.cpu_isa() in ("generic", "avx2", "avx512")
 
 
-def test_a_torch_older_than_2_10_is_refused_at_import():
+def test_a_torch_older_than_2_10_is_refused_at_import(tmp_path):
     """pyproject's torch>=2.10 binds only pip's resolver: an older torch installed otherwise is
     named at import instead of failing in the middle of a step. Dev builds of 2.10 are taken."""
     probe = ("import sys, torch; torch.__version__ = sys.argv[1]; import titanmac_c; "
              "print(titanmac_c._TORCH_RELEASE)")
     for version, refused in (("2.9.1", True), ("1.13.0", True), ("2.10.0a0+git1234", False),
                              ("2.11.0+cu128", False), ("3.0.0", False)):
+        # run outside the source tree, whose titanmac_c (unbuilt where CI installs a copy)
+        # would shadow the installed one
         done = subprocess.run([sys.executable, "-c", probe, version], capture_output=True,
-                              text=True)
+                              text=True, cwd=tmp_path)
         if refused:
             assert done.returncode != 0
             assert (f"ImportError: titanmac_c needs torch >= 2.10; this is torch {version}"
