@@ -210,3 +210,61 @@ def test_cms_reads_its_numbers_before_importing_a_tensor():
     assert not torch.equal(twin["params"][2], before)  # the step moved it
     for a, b in zip(args["params"], twin["params"]):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_a_misaligned_tensor_is_refused_before_any_write():
+    """torch.frombuffer at an odd byte offset makes a float32 tensor whose elements straddle
+    their alignment: the C loops' whole-element loads would be undefined behaviour (a fault on
+    CUDA). Refused by name, in a norm and in a step, nothing written."""
+    import titanmac_c
+    raw = bytearray(4 * 8 + 1)
+    odd = torch.frombuffer(raw, dtype=torch.float32, offset=1, count=8)
+    assert odd.data_ptr() % 4 != 0
+    with pytest.raises(BufferError, match=r"^grads\[1\]: data address 0x[0-9a-f]+ is not "
+                                          r"aligned to its 4-byte elements \(tensors\[1\]\)$"):
+        titanmac_c.get_total_norm([torch.ones(2), odd])
+    good = torch.nn.Parameter(torch.ones(3))
+    bad = torch.nn.Parameter(odd)
+    good.grad, bad.grad = torch.ones(3), torch.ones(8)
+    before = bytes(raw)
+    opt = titanmac_c.AdamW([good, bad], lr=0.1)
+    with pytest.raises(BufferError, match=r"not aligned to its 4-byte elements "
+                                          r"\(param_groups\[0\]\['params'\]\[1\]\)"):
+        opt.step()
+    assert bytes(raw) == before and torch.equal(good, torch.ones(3)) and not opt.state
+
+
+def test_an_empty_tensor_for_an_optional_input_is_refused():
+    """The core reads an optional input with no elements as not given: an empty skip flag would
+    have run the step it stands for skipping, an empty coefficient output stayed unwritten."""
+    p, g, m, v, step = torch.ones(4), torch.ones(4), torch.zeros(4), torch.zeros(4), torch.zeros(())
+    hp = [(0.9, 0.999, 1e-8, 0.0, False)]
+    for kw in (dict(skip=torch.empty(0)), dict(grad_scale=torch.empty(0)),
+               dict(loss_scale=torch.empty(0))):
+        name = next(iter(kw))
+        with pytest.raises(ValueError, match=rf"^{name}: an empty tensor \(give None to leave "
+                                             r"it out\)$"):
+            _C.adamw_step([p], [g], [m], [v], [], [step], torch.full((1,), 0.1), hp, **kw)
+        assert torch.equal(p, torch.ones(4)) and float(step) == 0.0
+    with pytest.raises(ValueError, match=r"^coef: an empty tensor"):
+        _C.norms([g], [], torch.empty(1), torch.empty(1), coef=torch.empty(0), max_norm=1.0)
+
+
+def test_an_exchange_table_chain_that_loops_ends():
+    """A class claiming the DLPack 1.2 exchange-table attribute with a pointer whose chain of
+    older tables points back into itself (here: the `type` object, whose ob_type is itself):
+    the walk is bounded, so the import falls back to __dlpack__ and fails with a TypeError
+    instead of spinning with the GIL held."""
+    code = textwrap.dedent("""
+        from titanmac_c import _C
+        class T: pass
+        T.__c_dlpack_exchange_api__ = id(type)
+        try:
+            _C._import(T())
+        except TypeError as e:
+            print(e)
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, cwd=tempfile.gettempdir())
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "tensor: expected a tensor (an object with __dlpack__), got T"

@@ -89,11 +89,17 @@ py_fail_from_pending(PyObject *type, py_label lbl, const char *what)
 
 /* ---------------------------------------------------------------- exchange table ---- */
 
-/* A table pointer (capsule payload or int) -> the major-1 table in its chain, or NULL. */
+/* A chain holds one table per DLPack version a producer serves: a few. The bound ends the walk
+ * of a chain that points back into itself, which would otherwise spin with the GIL held. */
+#define TM_EXCHANGE_CHAIN_MAX 16
+
+/* A table pointer (capsule payload or int) -> the major-1 table in its chain, or NULL. The
+ * pointer is the producer's word, as a DLPack capsule's data pointer is. */
 static const DLPackExchangeAPI *
 usable_table(const void *ptr)
 {
-    for (const DLPackExchangeAPIHeader *h = ptr; h != NULL; h = h->prev_api) {
+    const DLPackExchangeAPIHeader *h = ptr;
+    for (int hops = 0; h != NULL && hops < TM_EXCHANGE_CHAIN_MAX; h = h->prev_api, hops++) {
         if (h->version.major == TM_DLPACK_MAJOR) {
             const DLPackExchangeAPI *api = (const DLPackExchangeAPI *)h;
             int can_read = api->dltensor_from_py_object_no_sync != NULL ||

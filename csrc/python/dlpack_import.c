@@ -13,6 +13,11 @@
  * Then py_check_dltensor (dlpack_check.c) checks device, dtype, layout and flags. Deleters run in
  * py_batch_release(), after the op and on every error path, with the GIL held (torch's deleter
  * may drop Python objects).
+ *
+ * Producers are trusted, as DLPack trusts them: an imported tensor's memory must stay where it
+ * is until the op returns. Torch tensors on the exchange path run no Python code, but an
+ * object's __dlpack__, __dlpack_device__ or detach() runs any: one that resizes or frees a
+ * tensor imported before it in the same call leaves that import pointing at freed memory.
  */
 #include "dlpack_import.h"
 #include "tm_tensor.h"
@@ -341,7 +346,16 @@ py_import_optional(py_batch *b, PyObject *obj, const char *name, tm_tensor *out)
         out->device_type = TM_DEVICE_CPU;
         return 0;
     }
-    return import_labelled(b, obj, (py_label){name, -1}, 0, out, NULL, NULL);
+    if (import_labelled(b, obj, (py_label){name, -1}, 0, out, NULL, NULL) < 0) {
+        return -1;
+    }
+    if (out->numel == 0) {
+        /* the core reads "not given" as no elements (tm_tensor_given): an empty tensor would
+         * silently act as None (a skip flag that skips nothing, a coefficient never written) */
+        return py_fail(PyExc_ValueError, (py_label){name, -1},
+                       "an empty tensor (give None to leave it out)");
+    }
+    return 0;
 }
 
 int
