@@ -6,6 +6,7 @@ reported as skipped (never as passed).
 
 import copy
 import io
+import os
 
 import pytest
 import torch
@@ -76,6 +77,15 @@ class RecordHostReads(TorchDispatchMode):
                 and args[0].data_ptr() in self._host_side):
             self.host_reads.append(name)
         return func(*args, **(kwargs or {}))
+
+
+def child_env(*first_paths):
+    """The environment for a Python child process run in another directory: PYTHONPATH made
+    absolute (CI's sanitizer job gives a relative one, the build under test), after
+    first_paths."""
+    paths = [*first_paths, *(os.path.abspath(p) for p in
+                             os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)]
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
 
 
 def tol(dtype, device):

@@ -207,6 +207,7 @@ def test_a_state_entry_edited_into_nonsense_is_named(spoil, match):
     ("eps", None, TypeError, r"\['eps'\] = None: expected a number"),
     ("lr", torch.ones(2), ValueError, r"\['lr'\]: a tensor of 2 elements, not 1"),
     ("betas", (0.9,), ValueError, r"\['betas'\] = \(0.9,\): expected two numbers"),
+    ("betas", None, TypeError, r"\['betas'\] = None: expected two numbers"),
 ])
 def test_hyperparameters_of_the_wrong_kind_are_named(key, value, err, match):
     opt, params = _setup()
@@ -425,15 +426,23 @@ def _wrapper_subclass_grad(p):
     p.grad = TwoTensor(torch.zeros(p.shape), torch.zeros(p.shape))
 
 
+def _misaligned_param(p):
+    raw = bytearray(4 * p.numel() + 1)  # kept alive by the tensor
+    p.data = torch.frombuffer(raw, dtype=torch.float32, offset=1, count=p.numel()).view(p.shape)
+
+
 @pytest.mark.parametrize("spoil, exc, match", [
     (lambda p: setattr(p, "grad", p.detach()), ValueError, "shares memory"),
+    (_misaligned_param, BufferError,
+     r"^params\[1\]: data address 0x[0-9a-f]+ is not aligned to its 4-byte elements \("),
     # no memory of its own (data_ptr() 0): was refused as sharing the parameter's memory
     (_wrapper_subclass_grad, BufferError, r"^grads\[1\]: data is NULL for 12 elements \("),
 ])
 def test_mixed_amsgrad_groups_precheck_covers_what_the_c_core_refuses(spoil, exc, match):
-    """What the C core refuses in the second call (a non-contiguous gradient, a gradient that is
-    the parameter's own memory, one without memory) is refused before the first call writes:
-    the first group's parameters and steps, and a first step's new state, stay as they were."""
+    """What the C core refuses in the second call (a gradient that is the parameter's own memory,
+    one without memory, a parameter not aligned to its elements) is refused before the first call
+    writes: the first group's parameters and steps, and a first step's new state, stay as they
+    were."""
     for first_step in (True, False):
         a = [torch.nn.Parameter(torch.randn(4, 3)) for _ in range(2)]
         b = [torch.nn.Parameter(torch.randn(4, 3)) for _ in range(2)]
@@ -446,6 +455,24 @@ def test_mixed_amsgrad_groups_precheck_covers_what_the_c_core_refuses(spoil, exc
         expect_refused(opt, a + b, exc,
                        match if match.startswith("^") else
                        rf"param_groups\[1\]\['params'\]\[1\]: .*{match}")
+
+
+def test_a_refused_first_step_puts_back_the_state_entries_it_found():
+    """A first step commits its new state before the C call (a KeyboardInterrupt after the call
+    must not lose it); refused, it puts back exactly what it found: no entry, an empty dict, or
+    None set by hand."""
+    params = [torch.nn.Parameter(torch.ones(3)) for _ in range(3)]
+    opt = titanmac_c.AdamW(params, lr=0.1)
+    for p in params:
+        p.grad = torch.ones(3)
+    opt.state[params[1]] = {}
+    opt.state[params[2]] = None
+    params[0].grad = params[0].detach()  # refused by the C core: shares the parameter's memory
+    with pytest.raises(ValueError, match="shares memory"):
+        opt.step()
+    assert params[0] not in opt.state
+    assert opt.state[params[1]] == {} and opt.state[params[2]] is None
+    assert all(torch.equal(p, torch.ones(3)) for p in params)
 
 
 def _alias(key, other):

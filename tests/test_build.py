@@ -11,6 +11,7 @@ import tarfile
 
 import titanmac_c
 from titanmac_c import _C
+from conftest import child_env
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -42,7 +43,7 @@ def test_a_torch_older_than_2_10_is_refused_at_import(tmp_path):
         # run outside the source tree, whose titanmac_c (unbuilt where CI installs a copy)
         # would shadow the installed one
         done = subprocess.run([sys.executable, "-c", probe, version], capture_output=True,
-                              text=True, cwd=tmp_path)
+                              text=True, cwd=tmp_path, env=child_env())
         if refused:
             assert done.returncode != 0
             assert (f"ImportError: titanmac_c needs torch >= 2.10; this is torch {version}"

@@ -8,7 +8,6 @@ tests/test_deep_nested_layouts.py; checkpoints: tests/test_deep_nested_checkpoin
 
 import copy
 import math
-import os
 import pathlib
 import subprocess
 import sys
@@ -19,7 +18,8 @@ import torch
 
 import titanmac_c
 from titanmac_c._reference_dno import ReferenceDeepNestedOptimizer
-from conftest import DEVICES, assert_same_state, checkpoint_roundtrip, reference_and_ours
+from conftest import (DEVICES, assert_same_state, checkpoint_roundtrip, child_env,
+                      reference_and_ours)
 from dno_models import (MODE_IDS, MODES, PartlyFrozen, fixed_grads, loss_fn, make_mlp_10_32_5,
                         set_grads_by_name, step_all, synthetic_batches)
 
@@ -706,9 +706,9 @@ def test_edits_after_unpickling_in_a_fresh_process_are_seen_as_the_references(kw
             opt.step(0.5)
     torch.save((model_r, ref, model_o, ours), tmp_path / "pair.pt")
     tests = str(pathlib.Path(__file__).resolve().parent)
-    done = subprocess.run([sys.executable, "-c", _EDITS_AFTER_UNPICKLING, str(tmp_path / "pair.pt")],
-                          capture_output=True, text=True, cwd=tests,
-                          env=dict(os.environ, PYTHONPATH=tests))
+    done = subprocess.run([sys.executable, "-c", _EDITS_AFTER_UNPICKLING,
+                           str(tmp_path / "pair.pt")],
+                          capture_output=True, text=True, cwd=tests, env=child_env(tests))
     assert done.returncode == 0 and done.stdout.split() == ["ok"], done.stderr[-3000:]
 
 

@@ -13,6 +13,7 @@ import torch
 import torch.utils.dlpack
 
 from titanmac_c import _C
+from conftest import child_env
 
 
 def test_import_describes_the_tensor():
@@ -251,20 +252,26 @@ def test_an_empty_tensor_for_an_optional_input_is_refused():
 
 
 def test_an_exchange_table_chain_that_loops_ends():
-    """A class claiming the DLPack 1.2 exchange-table attribute with a pointer whose chain of
-    older tables points back into itself (here: the `type` object, whose ob_type is itself):
-    the walk is bounded, so the import falls back to __dlpack__ and fails with a TypeError
-    instead of spinning with the GIL held."""
+    """A class claiming the DLPack 1.2 exchange-table attribute with a pointer to a table header
+    (version 0.0) whose chain of older tables points back to itself: the walk is bounded, so
+    the import falls back to __dlpack__ and fails with a TypeError instead of spinning with the
+    GIL held."""
     code = textwrap.dedent("""
+        import ctypes
         from titanmac_c import _C
+        class Header(ctypes.Structure):  # DLPackExchangeAPIHeader
+            _fields_ = [("major", ctypes.c_uint32), ("minor", ctypes.c_uint32),
+                        ("prev_api", ctypes.c_void_p)]
+        header = Header(0, 0, None)
+        header.prev_api = ctypes.addressof(header)
         class T: pass
-        T.__c_dlpack_exchange_api__ = id(type)
+        T.__c_dlpack_exchange_api__ = ctypes.addressof(header)
         try:
             _C._import(T())
         except TypeError as e:
             print(e)
     """)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120, cwd=tempfile.gettempdir())
+                          timeout=120, cwd=tempfile.gettempdir(), env=child_env())
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "tensor: expected a tensor (an object with __dlpack__), got T"

@@ -425,7 +425,8 @@ def test_a_backward_after_the_step_under_allow_mutation_on_saved_tensors_as_torc
             grads.append(torch.autograd.grad(saved_grad, g)[0])
         results.append((grads, w.detach().clone()))
     (ours, w_ours), (theirs, w_theirs) = results[1], results[0]
-    assert not torch.equal(w_ours, w_theirs.new_zeros(w_theirs.shape))
+    w_start = torch.randn(4, 3, generator=torch.Generator().manual_seed(0)).to(device)
+    assert not torch.equal(w_ours, w_start)  # the steps moved it
     torch.testing.assert_close(w_ours, w_theirs, rtol=1e-6, atol=1e-7)
     for a, b in zip(ours, theirs):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
@@ -436,8 +437,9 @@ def test_a_keyboard_interrupt_after_the_first_steps_write_keeps_the_state(device
     """Ctrl-C during a first step (a large model's takes a while): Python raises the
     KeyboardInterrupt at the first instruction after the C call returns, here made to happen in
     the version bump that follows it. The parameters are stepped; their new state must be there
-    too (it was committed after the calls), as torch's fused AdamW leaves both, so the next step
-    (or a checkpoint in a signal handler) goes on from step 1 instead of restarting."""
+    too (it used to be committed only after the calls), as torch's fused AdamW leaves both, so
+    the next step (or a checkpoint in a signal handler) goes on from step 1 instead of
+    restarting."""
     params_a = make_params(SIZES[:3], device, misaligned=False)
     params_b = clone_params(params_a)
     ours = titanmac_c.AdamW(params_a, lr=1e-2, weight_decay=0.01)

@@ -72,9 +72,10 @@ class Hyperparameters:
             raise ValueError(f"{where}['lr'] = {lr}: must be finite")
         try:
             beta1, beta2 = (self._beta_value((gi, k), b) for k, b in enumerate(group["betas"]))
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"{where}['betas'] = {group['betas']!r}: expected two numbers "
-                             f"in [0, 1) ({e})") from None
+        except (TypeError, ValueError) as e:  # None, a number: TypeError, as torch's
+            kind = TypeError if isinstance(e, TypeError) else ValueError
+            raise kind(f"{where}['betas'] = {group['betas']!r}: expected two numbers "
+                       f"in [0, 1) ({e})") from None
         return (
             float_in_range(f"{where}['betas'][0]", beta1, 0.0, 1.0),
             float_in_range(f"{where}['betas'][1]", beta2, 0.0, 1.0),

@@ -50,13 +50,18 @@ def normalize_steps(optimizer, copy=False):
                 step_count(state, p.device, copy)
 
 
+_ABSENT = object()  # no entry in the state dict (one may hold None, set by hand)
+
+
 class CommittedNewState:
     """A first step's new state, put into the optimizer's state before the C calls: Python raises
     a KeyboardInterrupt at the first instruction after a call returns, which would otherwise
-    leave parameters stepped without their state (torch's fused AdamW leaves both)."""
+    leave parameters stepped without their state (torch's fused AdamW leaves both). One raised
+    before a call (in its Python preparation) leaves the fresh state of parameters it did not
+    step: the values a first step starts from, so only state_dict() tells."""
 
     def __init__(self, state, new_state):
-        self.found = {p: state.get(p) for p in new_state}  # None, or an empty dict
+        self.found = {p: state.get(p, _ABSENT) for p in new_state}  # absent, empty or None
         state.update(new_state)
 
     def take_back(self, state, refused, batches):
@@ -66,7 +71,7 @@ class CommittedNewState:
         for p in (p for batch in later for p in batch.owners):
             if p in self.found:
                 entry = self.found.pop(p)
-                if entry is None:
+                if entry is _ABSENT:
                     del state[p]
                 else:
                     state[p] = entry

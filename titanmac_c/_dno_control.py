@@ -44,9 +44,10 @@ def _count_model_edit(module, name, value):
 
 def watch_model_edits():
     """Count parameter and submodule registrations (torch's global registration hooks; installed
-    once, by the first DeepNestedOptimizer): a model grown after the optimizer was built (a head
-    added, a layer replaced) changes which parameters lie outside the groups, which the
-    reference's clip over model.parameters() sees at every step."""
+    once, by the first DeepNestedOptimizer built or unpickled in the process): a model grown
+    after the optimizer was built (a head added, a layer replaced) changes which parameters lie
+    outside the groups, which the reference's clip over model.parameters() sees at every
+    step."""
     if not getattr(watch_model_edits, "installed", False):
         torch.nn.modules.module.register_module_parameter_registration_hook(_count_model_edit)
         torch.nn.modules.module.register_module_module_registration_hook(_count_model_edit)

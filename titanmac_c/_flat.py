@@ -215,17 +215,23 @@ class Batch:
                     or step.numel() != 1 or step.device != p.device):
                 raise ValueError(f"{name}: step must be a float32 scalar on {p.device}")
 
-
     def _precheck_memory(self, i, name):
         """Entry i's tensors have memory (a meta tensor, or a subclass wrapping other tensors,
-        has none: data_ptr() 0), named as the C core names them."""
+        has none: data_ptr() 0) aligned to their elements (tm_check_usable), named as the C core
+        names them."""
         roles = [("params", self.params), ("grads", self.grads), ("exp_avg", self.exp_avgs),
-                 ("exp_avg_sq", self.exp_avg_sqs)]
+                 ("exp_avg_sq", self.exp_avg_sqs), ("step", self.steps)]
         for role, tensors in roles + ([("max_exp_avg_sq", self.max_exp_avg_sqs)]
                                       if self.amsgrad else []):
             t = tensors[i]
-            if isinstance(t, torch.Tensor) and t.numel() and t.data_ptr() == 0:
+            if not isinstance(t, torch.Tensor) or not t.numel():
+                continue
+            address, size = t.data_ptr(), t.element_size()
+            if address == 0:
                 raise BufferError(f"{role}[{i}]: data is NULL for {t.numel()} elements ({name})")
+            if address % size:
+                raise BufferError(f"{role}[{i}]: data address {address:#x} is not aligned to its "
+                                  f"{size}-byte elements ({name})")
 
 
 def groups_snapshot(groups):

@@ -290,6 +290,6 @@ def compute_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-__all__ = ["before_write", "exec_kwargs", "mark_written", "norms_scratch", "Scratch", "reraise_with_names",
-           "as_number", "is_one_number", "float_in_range", "compute_dtype", "real_view",
-           "memory_real_view", "COMPLEX_DTYPES", "_C"]
+__all__ = ["before_write", "exec_kwargs", "mark_written", "norms_scratch", "Scratch",
+           "reraise_with_names", "as_number", "is_one_number", "float_in_range", "compute_dtype",
+           "real_view", "memory_real_view", "COMPLEX_DTYPES", "_C"]

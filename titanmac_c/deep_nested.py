@@ -249,7 +249,7 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin, MetaLearningMixin,
         self._param_groups = value  # stored only, no effect: the reference's setter (spec 12)
 
     def set_loss(self, loss_value):
-        """The loss the next step() without an argument uses (then forgotten)."""
+        """The loss the next step() uses when given none (any step() forgets it)."""
         self._stored_loss = loss_value
 
     def zero_grad(self, set_to_none=True):

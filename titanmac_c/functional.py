@@ -28,13 +28,13 @@ from . import _profiling as prof
 from ._distributed import ShardedNorms, any_dtensor, local_of
 from ._runtime import (
     as_number,
+    before_write,
     call_dense,
     compute_dtype,
     eager_only,
     exec_kwargs,
     is_expanded,
     is_strided_only,
-    before_write,
     mark_written,
     memory_real_view,
     norms_scratch,

@@ -24,10 +24,10 @@ from ._runtime import (
     COMPLEX_DTYPES,
     SUPPORTED_DTYPES,
     Scratch,
+    before_write,
     check_supported_dtype,
     eager_only,
     exec_kwargs,
-    before_write,
     mark_written,
     reraise_with_names,
 )
@@ -320,7 +320,8 @@ class AdamW(Optimizer):
     def _collect(self):
         """Flat lists per (device, amsgrad), each tensor tagged with its param_groups index, plus
         every group's validated hyperparameters and lr. State for parameters seen for the first
-        time is created in new_state and committed only after the C calls succeeded."""
+        time is created in new_state, which the step commits before its C calls and takes back
+        from a refused one (CommittedNewState)."""
         batches = {}
         new_state = {}
         groups = [self._hparams.of_group(gi, g) for gi, g in enumerate(self.param_groups)]

@@ -4,6 +4,7 @@
  */
 #include "tm_tensor.h"
 
+#include <inttypes.h>
 #include <stdio.h>
 
 #include "tm_status.h"
@@ -164,8 +165,8 @@ tm_check_usable(const tm_tensor *t, const char *name, int32_t index)
     /* The loops load and store whole elements: a misaligned one is undefined behaviour in C and
      * a fault on CUDA (torch.frombuffer at an odd byte offset makes such a tensor). */
     TM_CHECK((uintptr_t)t->data % tm_dtype_size(t->dtype) == 0, TM_ERR_BUFFER,
-             "%s: data address %p is not aligned to its %zu-byte elements",
-             tm_label(name, index, label), t->data, tm_dtype_size(t->dtype));
+             "%s: data address 0x%" PRIxPTR " is not aligned to its %zu-byte elements",
+             tm_label(name, index, label), (uintptr_t)t->data, tm_dtype_size(t->dtype));
     TM_CHECK(t->device_type == TM_DEVICE_CPU || t->device_type == TM_DEVICE_CUDA, TM_ERR_BUFFER,
              "%s: unsupported device type %d", tm_label(name, index, label), (int)t->device_type);
     return TM_OK;
