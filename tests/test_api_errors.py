@@ -2,7 +2,6 @@
 parameters and optimizer state bitwise unchanged."""
 
 import copy
-import os
 import math
 import re
 
@@ -11,7 +10,7 @@ import pytest
 import torch
 
 import titanmac_c
-from conftest import expect_refused
+from conftest import child_env, expect_refused
 from titanmac_c import _C
 
 
@@ -632,7 +631,7 @@ def test_errors_name_the_tensor_under_titanmac_debug(tmp_path):
         "opt.state[ps[1]]['exp_avg_sq'] = torch.zeros(12)\n"
         "try: opt.step()\n"
         "except ValueError as e: print(e)\n")
-    env = dict(os.environ, TITANMAC_DEBUG="1")
+    env = dict(child_env(), TITANMAC_DEBUG="1")
     # cwd: not the repository root, whose unbuilt titanmac_c/ would shadow the installed one
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
                          check=True, cwd=tmp_path).stdout.strip()

@@ -130,7 +130,7 @@ def test_protocol_path_gives_the_same_results():
             torch.testing.assert_close(pa, pb, rtol=1e-6, atol=1e-7)
         print("protocol-ok")
     """)
-    env = dict(os.environ, TITANMAC_DLPACK="protocol")
+    env = dict(child_env(), TITANMAC_DLPACK="protocol")
     # Run outside the source tree so the installed package (with _C) is imported.
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
                          timeout=300, cwd=tempfile.gettempdir())

@@ -61,12 +61,14 @@ class CommittedNewState:
     step: the values a first step starts from, so only state_dict() tells."""
 
     def __init__(self, state, new_state):
+        self.state = state
         self.found = {p: state.get(p, _ABSENT) for p in new_state}  # absent, empty or None
         state.update(new_state)
 
-    def take_back(self, state, refused, batches):
+    def take_back(self, refused, batches):
         """After the C call of batch `refused` raised (before any write), and the batches after
         it did not run: their parameters' state as it was found."""
+        state = self.state
         later = batches[batches.index(refused):]
         for p in (p for batch in later for p in batch.owners):
             if p in self.found:

@@ -93,11 +93,15 @@ class ControlStepMixin:
     def __setstate__(self, state):
         """Unpickled (torch.load of the whole optimizer, a spawned worker, a deep copy): the edit
         count saved is another process's, whose registration hooks this process may not have
-        (none is installed before a constructor runs). Install them, and let the next step list
-        the parameters outside the groups and the modules' weights anew."""
+        (none is installed before a constructor runs)."""
         self.__dict__.update(state)
+        self._watch_model_afresh()
+
+    def _watch_model_afresh(self):
+        """Install the registration hooks (once per process) and let the next step list the
+        parameters outside the groups and the modules' weights anew."""
         self._model_edits = watch_model_edits() - 1
-        self._weight_views = {}
+        self._weight_views = {}  # module name -> (module, edit count, parameters, views)
 
     def _check_group_count(self):
         """Refuses a step over another number of groups than the controller's."""

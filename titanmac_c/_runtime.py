@@ -227,9 +227,9 @@ def as_number(name: str, value, expected: str = "a number") -> float:
     """float(value) for an argument the user gave, with errors naming it: something that is not
     a number (None, a list, a string, which float() would parse but torch's math would not) is a
     TypeError, as torch's arithmetic raises on it; a tensor of several elements a ValueError."""
-    if isinstance(value, (str, bytes)):
-        raise TypeError(f"{name} = {value!r}: expected {expected}")
     try:
+        if isinstance(value, (str, bytes)):
+            raise TypeError
         return float(value)
     except TypeError:
         raise TypeError(f"{name} = {value!r}: expected {expected}") from None

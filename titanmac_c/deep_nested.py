@@ -74,7 +74,7 @@ from ._dno_args import (
     model_device,
 )
 from ._dno_checkpoint import CheckpointMixin
-from ._dno_control import ControlStepMixin, GroupWatch, watch_model_edits
+from ._dno_control import ControlStepMixin, GroupWatch
 from ._dno_meta import MetaLearningMixin
 from ._step_hooks import has_step_hooks, with_step_hooks
 from ._runtime import Scratch, as_number, eager_only
@@ -163,7 +163,7 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin, MetaLearningMixin,
         # model parameters outside the groups: their gradients count in the clip norm (spec 8);
         # found at the first step and again after the model is edited
         self._ungrouped = []
-        self._model_edits = watch_model_edits() - 1
+        self._watch_model_afresh()
         self._group_watch = GroupWatch()
         self.base_optimizer = AdamW(groups, lr=self.base_lr, weight_decay=self.weight_decay)
         if self.use_preprocessing:
@@ -199,7 +199,6 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin, MetaLearningMixin,
         self._last_surrogate_loss = None
         self._cms_scratch = Scratch()
         self._cms_relaid = False  # the last Phase 2 laid gradients out (_cms._cms_phase2)
-        self._weight_views = {}  # module name -> (module, edit count, parameters, views)
         return group_names
 
     def _init_step_state(self, model, group_names, use_gradient_checkpointing, use_cuda_graph):

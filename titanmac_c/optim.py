@@ -252,7 +252,7 @@ class AdamW(Optimizer):
             try:
                 self._run_batch(batch, groups, lrs, *args)
             except Exception:
-                committed.take_back(self.state, batch, batches)
+                committed.take_back(batch, batches)
                 raise
         self._pending_clip.clear()
         n_params = sum(len(g["params"]) for g in self.param_groups)
@@ -367,8 +367,11 @@ class AdamW(Optimizer):
             if nbytes is None:
                 nbytes = self._scratch_bytes[sig] = _C.adamw_scratch_bytes(*lists)
             scratch = self._scratch.get(device, nbytes)
-        grads_written = zero_grads_on_skip or loss_scale is not None
-        before_write(batch.params, batch.wrappers, batch.grads if grads_written else ())
+        # the tensors autograd may hold: parameters, and gradients the call may write (the
+        # state's versions are left alone: no graph saves optimizer state)
+        written = (batch.params, batch.wrappers,
+                   batch.grads if zero_grads_on_skip or loss_scale is not None else ())
+        before_write(*written)
         try:
             _C.adamw_step(*lists, lr, groups, batch.group_of, amsgrad=batch.amsgrad,
                           grad_scale=grad_scale, skip=skip, scratch=scratch,
@@ -383,6 +386,4 @@ class AdamW(Optimizer):
             with torch.inference_mode():
                 for _, grad, copy in batch.grad_copies:
                     grad.copy_(copy)
-        # the tensors autograd may hold: parameters, and gradients the call may write (the
-        # state's versions are left alone: no graph saves optimizer state)
-        mark_written(batch.params, batch.wrappers, batch.grads if grads_written else ())
+        mark_written(*written)
