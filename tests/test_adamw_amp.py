@@ -5,6 +5,7 @@ overflowing steps skipped on the device. And the C core's store_scaled_grads, wh
 Without fused=True, GradScaler's ordinary path, as for torch's default AdamW."""
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -110,6 +111,51 @@ def test_grad_scaler_with_unscale_and_folded_clip(device):
         assert scalers[0].get_scale() == scalers[1].get_scale()
         for pa, pb in zip(params_a, params_b):
             torch.testing.assert_close(pa.detach(), pb.detach(), **tol(torch.float32, device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_folded_clip_before_unscale_is_torchs_clip_there_with_a_warning(device):
+    """Our folded clip_grad_norm_ called without unscale_ measures the still-scaled gradients, as
+    torch's clip_grad_norm_ there: against torch's fused AdamW after torch's clip on the scaled
+    gradients, step by step, with a warning at each step that the clip saw the loss scale.
+    After unscale_ the same clip warns of nothing."""
+    params_a = make_params([3, 4097], device)
+    params_b = clone_params(params_a)
+    ours = titanmac_c.AdamW(params_a, lr=1e-2, fused=True)
+    theirs = torch.optim.AdamW(params_b, lr=1e-2, fused=True)
+    scalers = [torch.amp.GradScaler(torch.device(device).type, init_scale=3000.0,
+                                    growth_interval=3) for _ in range(2)]
+    for step in range(STEPS):
+        for scaler in scalers:
+            scaler.scale(torch.ones((), device=device))
+        scaled_grads(params_a, params_b, step, scalers[0].get_scale())
+        torch.nn.utils.clip_grad_norm_(params_b, 5.0)
+        ours.clip_grad_norm_(5.0)
+        with pytest.warns(UserWarning, match="still multiplied by the GradScaler's loss scale"):
+            scalers[0].step(ours)
+        scalers[1].step(theirs)
+        for scaler in scalers:
+            scaler.update()
+        if step in OVERFLOW_STEPS:  # skipped: torch's clip left its gradients times 0, ours not
+            for pa in params_a:
+                pa.grad = None
+            for pb in params_b:
+                pb.grad = None
+            continue
+        for pa, pb in zip(params_a, params_b):
+            torch.testing.assert_close(pa.detach(), pb.detach(), **tol(torch.float32, device))
+            # a few ulps: the coefficient may differ in its last bit (the norm sums in another
+            # order) and the gradient is clipped and unscaled in another order
+            torch.testing.assert_close(pa.grad, pb.grad, rtol=1e-6, atol=0)
+            for key in ("exp_avg", "exp_avg_sq"):
+                torch.testing.assert_close(ours.state[pa][key], theirs.state[pb][key],
+                                           **tol(torch.float32, device))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        scaled_grads(params_a, params_b, 0, scalers[0].get_scale())
+        scalers[0].unscale_(ours)
+        ours.clip_grad_norm_(5.0)
+        scalers[0].step(ours)
 
 
 def test_grad_scaler_step_reads_nothing_on_the_host():

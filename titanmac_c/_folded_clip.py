@@ -65,6 +65,18 @@ class PendingClip:
         if self.watched and not self.mark.covers(owners):
             self.apply_to_kept_gradients()
 
+    def warn_if_loss_scaled(self, amp):
+        """GradScaler hands step() a loss scale only when unscale_ has not run, so a coefficient
+        pending then was measured on gradients still multiplied by it: it clips them to max_norm
+        times the scale, as torch's clip_grad_norm_ called there would. Frameworks unscale before
+        their clip; a folded clip put in place of theirs (README) must too."""
+        if self.coef and amp.loss_scale is not None:
+            warnings.warn("AdamW.clip_grad_norm_ measured gradients still multiplied by the "
+                          "GradScaler's loss scale (no scaler.unscale_(optimizer) before it), so "
+                          "it clips them to max_norm times the scale, as torch's clip_grad_norm_ "
+                          "would there; call scaler.unscale_(optimizer) first (accelerate: "
+                          "accelerator.unscale_gradients())", stacklevel=user_stacklevel())
+
     def apply_to_kept_gradients(self):
         """Some of the clipped gradients are gone or changed (replaced, set to None, e.g. by
         model.zero_grad() after a skipped batch, or changed in place), the step takes one the

@@ -181,7 +181,9 @@ class AdamW(Optimizer):
         pending coefficient, in place, as torch's first clip left them, and measures them so.
         The coefficient serves one step: a second step() on the same gradients takes them
         unclipped, where torch's stay clipped. load_state_dict() keeps it; a copy of the
-        optimizer (deepcopy, pickle) holds none.
+        optimizer (deepcopy, pickle) holds none. Under a GradScaler, call scaler.unscale_(self)
+        first, as for torch's clip: a norm of still-scaled gradients clips them to max_norm
+        times the scale (a step given the scale warns of it).
         """
         if self._pending_clip.watched:
             self._pending_clip.apply_to_kept_gradients()
@@ -204,7 +206,10 @@ class AdamW(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         try:
-            self._fused_step(amp=AmpScaling.of(self))
+            amp = AmpScaling.of(self)
+            if amp is not None:
+                self._pending_clip.warn_if_loss_scaled(amp)
+            self._fused_step(amp=amp)
         except Exception:
             # GradScaler removes its attributes only after a step that returned; left in place,
             # its next step would multiply the next loss scale into this one
