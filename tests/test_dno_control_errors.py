@@ -152,6 +152,25 @@ def test_invalid_arguments(case, device):
     _expect_error(args, kw, ValueError, message)
 
 
+def test_previous_size_of_a_group_count_near_int32_max():
+    """2G + 4 elements for G = 2^31 - 1 is 2^32 + 2: counted in 32 bits it wrapped to 2, a
+    2-element previous was accepted and the undo record was written past its end. The per-group
+    tensors are allocated and never touched (no resident memory); nothing is written."""
+    G = 2**31 - 1
+    args, kw = _valid_call()
+    big = torch.empty(G)
+    for k in ("group_grad", "group_param", "depths", "mu", "lr"):
+        args[k] = big if k not in ("mu", "lr") else torch.empty(G)
+    kw["previous"] = torch.full((2,), 3.0)
+    small = {k: args[k].clone() for k in ("ema", "coef", "skip")}
+    with pytest.raises(ValueError, match="^previous: expected float32 with 4294967298 "
+                                         "elements, got float32 with 2$"):
+        _call(args, kw)
+    assert torch.equal(kw["previous"], torch.full((2,), 3.0))
+    for k, v in small.items():
+        assert torch.equal(args[k], v), f"{k} was written"
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_valid_call_passes(device):
     args, kw = _valid_call(device=device)

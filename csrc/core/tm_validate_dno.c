@@ -57,7 +57,7 @@ check_dno_numels(const tm_role *roles, int32_t num_groups)
         }
         int per_group = k == DNO_GROUP_GRAD || k == DNO_GROUP_PARAM || k == DNO_DEPTHS ||
                         k == DNO_MU || k == DNO_LR;
-        int64_t numel = k == DNO_PREVIOUS ? 2 * num_groups + 4
+        int64_t numel = k == DNO_PREVIOUS ? 2 * (int64_t)num_groups + 4
                                           : (per_group ? num_groups : (k == DNO_EMA ? 2 : 1));
         TM_TRY(tm_check_f32_numel(roles[k].list.tensors, roles[k].list.name, TM_NO_INDEX, numel));
     }

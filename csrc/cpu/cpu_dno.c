@@ -69,14 +69,15 @@ save_previous(const tm_dno_control_tensors *t, int32_t num_groups)
     const float *mu = t->mu.data;
     const float *ema = t->ema.data;
     const float *lr = t->lr.data;
-    for (int32_t g = 0; g < num_groups; g++) {
+    const int64_t n = num_groups; /* 2G + 4 passes INT32_MAX for G near 2^30 */
+    for (int64_t g = 0; g < n; g++) {
         prev[g] = mu[g];
-        prev[num_groups + 2 + g] = lr[g];
+        prev[n + 2 + g] = lr[g];
     }
-    prev[num_groups] = ema[0];
-    prev[num_groups + 1] = ema[1];
-    prev[2 * num_groups + 2] = *(const float *)t->coef.data;
-    prev[2 * num_groups + 3] = *(const float *)t->skip.data;
+    prev[n] = ema[0];
+    prev[n + 1] = ema[1];
+    prev[2 * n + 2] = *(const float *)t->coef.data;
+    prev[2 * n + 3] = *(const float *)t->skip.data;
 }
 
 tm_status

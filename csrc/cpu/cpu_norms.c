@@ -97,16 +97,17 @@ combine_groups(const norms_ctx *ctx, const double *part, const tm_norms_args *ar
                const tm_tensor *out)
 {
     double acc[CPU_GROUP_CHUNK];
-    for (int32_t g0 = 0; g0 < args->num_groups; g0 += CPU_GROUP_CHUNK) {
-        int32_t ng =
-            args->num_groups - g0 < CPU_GROUP_CHUNK ? args->num_groups - g0 : CPU_GROUP_CHUNK;
+    /* int64: g0 += 64 would pass INT32_MAX (and wrap) when num_groups is within 64 of it */
+    for (int64_t g0 = 0; g0 < args->num_groups; g0 += CPU_GROUP_CHUNK) {
+        int32_t ng = (int32_t)(args->num_groups - g0 < CPU_GROUP_CHUNK ? args->num_groups - g0
+                                                                          : CPU_GROUP_CHUNK);
         for (int32_t j = 0; j < ng; j++) {
             acc[j] = 0.0;
         }
         int64_t first = 0;
         for (int32_t i = 0; i < ctx->grads->count; i++) {
             int64_t nb = cpu_blocks_of(ctx->grads->tensors[i].numel);
-            int32_t j = (args->group_of != NULL ? args->group_of[i] : 0) - g0;
+            int32_t j = (int32_t)((args->group_of != NULL ? args->group_of[i] : 0) - g0);
             for (int64_t b = 0; j >= 0 && j < ng && b < nb; b++) {
                 acc[j] = join(acc[j], part[first + b], ctx->kind);
             }

@@ -83,8 +83,8 @@ dno_control_kernel(const __grid_constant__ dno_params p)
     const float loss = p.loss[0];
     const bool run = !p.check_loss || isfinite(loss); /* uniform: every thread reads loss */
     if (p.previous != NULL && threadIdx.x == 0) { /* only thread 0 writes these, below */
-        const int32_t g_count = p.num_groups;
-        for (int32_t g = 0; g < g_count; g++) {
+        const int64_t g_count = p.num_groups; /* 2G + 4 passes INT32_MAX for G near 2^30 */
+        for (int64_t g = 0; g < g_count; g++) {
             p.previous[g] = p.mu[g];
             p.previous[g_count + 2 + g] = p.lr[g];
         }
