@@ -142,10 +142,13 @@ def test_parity_float_lr_cosine_schedule(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_group_values_assigned_between_steps_act_as_on_torch(device):
-    """Float hyperparameters assigned anew between steps (OneCycleLR cycles betas[0] with the
-    rate; eps, weight_decay and maximize changed by hand, some back to an earlier value): each
-    step uses the values of its groups, though the checked values of a group are remembered."""
+@pytest.mark.parametrize("schedule", [True, False])
+def test_group_values_assigned_between_steps_act_as_on_torch(device, schedule):
+    """Hyperparameters assigned anew between steps (OneCycleLR cycles betas[0] with the rate;
+    eps, weight_decay and maximize changed by hand, some back to an earlier value; without the
+    schedule lr and betas too, and every other value stays the same from step to step, so a
+    value left out of the remembered check of a group would go unnoticed): each step uses the
+    values of its groups, compared with torch's after every step."""
     params_a = make_params([3, 4097], device)
     params_b = clone_params(params_a)
     ours = titanmac_c.AdamW([{"params": params_a[:1]}, {"params": params_a[1:]}], lr=1e-2)
@@ -154,6 +157,10 @@ def test_group_values_assigned_between_steps_act_as_on_torch(device):
                                                   cycle_momentum=True) for o in (ours, theirs)]
     edits = {4: ("eps", 1e-3), 7: ("weight_decay", 0.3), 9: ("maximize", True),
              12: ("eps", 1e-8), 14: ("maximize", False), 17: ("weight_decay", 0.01)}
+    if not schedule:
+        scheds = None
+        edits.update({2: ("lr", 3e-3), 5: ("betas", (0.8, 0.99)), 11: ("betas", (0.9, 0.999)),
+                      16: ("lr", 1e-2)})
     for step in range(20):
         if step in edits:
             key, value = edits[step]
@@ -161,7 +168,7 @@ def test_group_values_assigned_between_steps_act_as_on_torch(device):
                 opt.param_groups[step % 2][key] = value
         run_pair(ours, theirs, params_a, params_b, steps=1, sched=scheds, first_seed=step)
         assert ours.param_groups[0]["betas"] == theirs.param_groups[0]["betas"]
-    assert_adamw_runs_agree(ours, theirs, params_a, params_b, tol(torch.float32, device))
+        assert_adamw_runs_agree(ours, theirs, params_a, params_b, tol(torch.float32, device))
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -566,6 +566,26 @@ def test_tensors_of_different_parameters_sharing_memory_are_refused(what, match,
 
 
 
+def test_a_written_tensor_inside_a_long_read_span_past_a_shorter_one_is_refused():
+    """The overlap sweep goes through the tensors in address order and must compare each with
+    the furthest-reaching one so far, not the one before it: a gradient spanning a buffer,
+    another gradient inside its start, then a state tensor (written) further inside the first.
+    Refused, naming the state tensor and the long gradient, before anything is written."""
+    params = [torch.nn.Parameter(torch.randn(1000)), torch.nn.Parameter(torch.randn(10)),
+              torch.nn.Parameter(torch.randn(10))]
+    opt = titanmac_c.AdamW(params, lr=0.1)
+    for p in params:
+        p.grad = torch.randn(p.shape)
+    opt.step()
+    buf = torch.randn(1000)
+    params[0].grad = buf
+    params[1].grad = buf[10:20]  # read only, as gradients are: sharing with buf is fine
+    opt.state[params[2]]["exp_avg"] = buf[50:60]
+    expect_refused(opt, params, ValueError, r"^exp_avg\[2\]: shares memory with grads\[0\] "
+                                            r"\(param_groups\[0\]\['params'\]\[2\]; grads\[0\] is "
+                                            r"param_groups\[0\]\['params'\]\[0\]\)$")
+
+
 def test_parameters_sharing_memory_are_refused_views_of_one_buffer_are_not():
     """Two Parameters on one memory (nn.Parameter(w) instead of reusing w: a mistaken tie) would
     be updated at once by different threads; torch updates them one after the other. Refused,

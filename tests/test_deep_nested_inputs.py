@@ -331,9 +331,9 @@ _RESIZED = (r"(numel 5 does not match params\[3\] numel 6 "
 
 @pytest.mark.parametrize("kw", MODES, ids=MODE_IDS)
 def test_a_refused_step_leaves_the_last_steps_control_outputs(kw):
-    """After a step the device guard skipped (a NaN loss tensor), a refused step leaves
-    opt.skipped, the clip coefficient and the learning rates as that step left them, not as the
-    refused step's control op wrote them (it would read 0.0: a step that was taken)."""
+    """After a step the device guard skipped (a NaN loss tensor), and after a clipped step
+    taken, a refused step leaves opt.skipped, the clip coefficient and the learning rates as
+    that step left them, not as the refused step's control op wrote them."""
     model = make_mlp_10_32_5(seed=0)
     opt = titanmac_c.DeepNestedOptimizer(model, max_grad_norm=0.5, **kw)
     for step in range(1, 3):
@@ -353,6 +353,15 @@ def test_a_refused_step_leaves_the_last_steps_control_outputs(kw):
         assert torch.equal(a, b)
     opt.step(0.5)
     assert float(opt.skipped) == 0.0 and float(opt._coef) < 1.0
+    # and after that clipped step taken: skip and coef differ, so a swap of the two would show
+    before = [opt.skipped.clone(), opt._coef.clone(), opt._lr.clone()]
+    set_grads_by_name(model, fixed_grads(model, 5))
+    undo = _resize_a_parameter(model)
+    with pytest.raises(ValueError, match=_RESIZED):
+        opt.step(0.5)
+    undo()
+    for a, b in zip(before, [opt.skipped, opt._coef, opt._lr]):
+        assert torch.equal(a, b)
 
 
 _SPOILS = {

@@ -2,6 +2,7 @@
 running in C (no per-parameter aten arithmetic)."""
 
 import copy
+import math
 import gc
 import io
 import pickle
@@ -13,6 +14,7 @@ import torch
 
 import titanmac_c
 from conftest import DEVICES, SIZES, clone_params, make_params, set_grads, tol
+from dno_models import loss_fn, make_mlp_10_32_5, synthetic_batches
 
 
 def _train(opt, params, start, steps):
@@ -394,6 +396,42 @@ def test_in_place_writes_bump_version_counters_like_torch(device):
         before = w.grad._version
         clip([w], 1.0)
         assert w.grad._version > before, clip
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradients_the_c_core_writes_get_version_bumps(device):
+    """The gradients the C core writes in place bump their version counters too, so a graph
+    that saved one raises on backward instead of using the new values: those a GradScaler's
+    scale divides as fused=True loads them (stored back unscaled), and those the
+    DeepNestedOptimizer zeroes on a step its guard skips (a NaN gradient; the reference drops
+    them, which needs the skip read on the host). The values: unscaled, and zero."""
+    w = torch.nn.Parameter(torch.randn(4, 3, device=device))
+    opt = titanmac_c.AdamW([w], lr=0.1, fused=True)
+    scaler = torch.amp.GradScaler(torch.device(device).type, init_scale=1024.0)
+    scaler.scale(torch.ones((), device=device))
+    w.grad = torch.randn(4, 3, device=device) * 1024.0
+    expected = w.grad / 1024.0
+    x = torch.randn(4, 3, device=device, requires_grad=True)
+    saved = (x * w.grad).sum()  # saves the gradient for x's backward
+    before = w.grad._version
+    scaler.step(opt)
+    assert w.grad._version > before
+    torch.testing.assert_close(w.grad, expected, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        saved.backward()
+
+    model = make_mlp_10_32_5(seed=0).to(device)
+    dno = titanmac_c.DeepNestedOptimizer(model)
+    batch = next(iter(synthetic_batches("mlp", 1, seed=2, device=device)))
+    loss_fn(model, batch).backward()
+    grads = [p.grad for p in model.parameters()]
+    grads[0].view(-1)[0] = math.nan
+    versions = [g._version for g in grads]
+    dno.step(1.0)
+    assert float(dno.skipped) == 1.0
+    for g, v in zip(grads, versions):
+        assert g._version > v
+        assert not g.any()
 
 
 @pytest.mark.parametrize("device", DEVICES)
