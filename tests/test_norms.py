@@ -159,3 +159,142 @@ def test_coefficient_output_is_validated_before_any_write():
     with pytest.raises(ValueError, match=r"coef: expected float32 or float64 with 1 element"):
         _C.norms(grads, None, out[0:1], out[1:2], coef=torch.zeros(2), max_norm=1.0)
     assert torch.equal(out, torch.zeros(3))
+
+
+# TM_CPU_BLOCK (csrc/cpu/cpu_ops.h): the CPU reduces, and scans for non-finite elements, in blocks
+# of this many elements of a tensor
+_CPU_BLOCK = 4096
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_nonfinite_at_block_edges(device, dtype):
+    """One NaN, +inf or -inf per case at the first or last element of a CPU block (index 0, 4095,
+    4096 and numel - 1; tensors of 4097, 8192 and 3 blocks + 5 elements, so the last block is of
+    1, 4096 and 5 elements), for p = 1, 2, inf and 3: the non-finite flag, every group's grad and
+    param norm and the totals against the reference element by element (NaN where it has NaN),
+    and get_total_norm(..., error_if_nonfinite=True) raising as torch's does. For general p the
+    flag comes from a separate per-block scan (the sum may overflow from finite data), and a scan
+    that missed a block's last element went unnoticed while index 100 was the only one tried."""
+    torch.manual_seed(7)
+    rtol = 1e-13 if dtype == torch.float64 else 2e-6
+    fields = ("grad", "param", "total_grad", "total_param", "nonfinite")
+    for numel in (_CPU_BLOCK + 1, 2 * _CPU_BLOCK, 3 * _CPU_BLOCK + 5):
+        clean = [torch.randn(n, device=device, dtype=dtype) for n in (5, numel, 255)]
+        params = [torch.randn_like(g) for g in clean]
+        for pos in (0, _CPU_BLOCK - 1, _CPU_BLOCK, numel - 1):
+            for bad in (math.nan, math.inf, -math.inf):
+                grads = [g.clone() for g in clean]
+                grads[1][pos] = bad
+                for norm_type in (1.0, 2.0, math.inf, 3.0):
+                    where = f"numel {numel}, grads[1][{pos}] = {bad}, p = {norm_type}"
+                    ours = titanmac_c.group_norms(grads, params, [0, 1, 2], 3, norm_type)
+                    ref = _reference.norms(grads, params, [0, 1, 2], 3, norm_type)
+                    assert float(ref.nonfinite) == 1.0, where
+                    for field in fields:
+                        torch.testing.assert_close(
+                            getattr(ours, field).cpu(), getattr(ref, field), rtol=rtol, atol=0,
+                            equal_nan=True, msg=lambda m: f"{field}, {where}: {m}")
+                    for get_total_norm in (titanmac_c.get_total_norm,
+                                           torch.nn.utils.get_total_norm):
+                        with pytest.raises(RuntimeError, match="is non-finite"):
+                            get_total_norm(grads, norm_type, error_if_nonfinite=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("norm_type", [1.0, 2.0, math.inf, 3.0])
+def test_more_groups_than_one_combine_chunk(device, norm_type):
+    """130 groups over 200 tensors of varied sizes and scales, with and without params: the CPU
+    combines the blocks into groups 64 at a time (CPU_GROUP_CHUNK), so here in three walks, the
+    last of 2 groups. Every group's grad and param norm and the totals against the reference,
+    for group_of = i % 130, the same partition relabelled by a permutation (other groups meet
+    in each walk), and a random assignment that leaves some groups empty (norm 0). A walk whose
+    accumulators kept the previous walk's sums or maxima was not caught with <= 64 groups."""
+    gen = torch.Generator().manual_seed(11)
+    choices = (1, 3, 17, 255, _CPU_BLOCK, _CPU_BLOCK + 1, 9000)
+    sizes = [choices[int(k)] for k in torch.randint(0, len(choices), (200,), generator=gen)]
+    scales = torch.exp(torch.empty(200).uniform_(-3.0, 3.0, generator=gen)).tolist()
+    grads = [(torch.randn(n, generator=gen) * s).to(device) for n, s in zip(sizes, scales)]
+    params = [(torch.randn(n, generator=gen) / s).to(device) for n, s in zip(sizes, scales)]
+    groups = 130
+    perm = torch.randperm(groups, generator=gen).tolist()
+    random_groups = torch.randint(0, groups, (200,), generator=gen).tolist()
+    assert len(set(random_groups)) < groups  # some groups are empty
+    assignments = {
+        "i % 130": [i % groups for i in range(200)],
+        "permuted": [perm[i % groups] for i in range(200)],
+        "random": random_groups,
+    }
+    for name, group_of in assignments.items():
+        for ps in (params, None):
+            ours = titanmac_c.group_norms(grads, ps, group_of, groups, norm_type)
+            ref = _reference.norms(grads, ps, group_of, groups, norm_type)
+            for field in ("grad", "param", "total_grad", "total_param", "nonfinite"):
+                expected = getattr(ref, field)
+                if expected is None:
+                    assert getattr(ours, field) is None
+                    continue
+                torch.testing.assert_close(
+                    getattr(ours, field).cpu(), expected, rtol=2e-6, atol=0,
+                    msg=lambda m: f"{field}, {name}, params {ps is not None}: {m}")
+            empty = [j for j in range(groups) if j not in group_of]
+            assert all(float(ours.grad[j]) == 0.0 for j in empty)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype, big, norm_type", [
+    (torch.float64, 1e200, 3.0),    # 1e600
+    (torch.float32, 1e30, 12.0),    # 1e360
+    (torch.bfloat16, 1e30, 12.0),
+    (torch.float16, 60000.0, 70.0),  # 6e4 ** 70 ~ 1e334
+])
+def test_general_p_overflow_of_finite_grads(device, dtype, big, norm_type):
+    """Finite gradients whose sum of |x|^p overflows a double: the norm is inf, and the
+    non-finite flag stays 0, as the reference sets it (it says that a gradient element is NaN or
+    inf, not that the sum overflowed; for general p it must come from the per-block scan, not
+    from the total). Every group norm and the totals against the reference (the other group
+    finite); get_total_norm and clip_grad_norm_ against torch's: both return inf, both raise with
+    error_if_nonfinite=True (torch checks the total norm) leaving the gradients as they were, and
+    without it both scale the gradients by 0."""
+    torch.manual_seed(3)
+    grads = [torch.tensor([big, 1.0], device=device, dtype=dtype),
+             torch.randn(_CPU_BLOCK + 1, device=device, dtype=dtype)]
+    params = [torch.randn_like(g) for g in grads]
+    rtol = 1e-13 if dtype == torch.float64 else 2e-6
+    ours = titanmac_c.group_norms(grads, params, [0, 1], 2, norm_type)
+    ref = _reference.norms(grads, params, [0, 1], 2, norm_type)
+    assert float(ref.nonfinite) == 0.0 and float(ref.total_grad) == math.inf
+    assert math.isfinite(float(ref.grad[1]))
+    for field in ("grad", "param", "total_grad", "total_param", "nonfinite"):
+        torch.testing.assert_close(getattr(ours, field).cpu(), getattr(ref, field),
+                                   rtol=rtol, atol=0, msg=lambda m: f"{field}: {m}")
+
+    total = titanmac_c.get_total_norm(grads, norm_type)
+    expected = torch.nn.utils.get_total_norm(grads, norm_type)
+    assert total.dtype == expected.dtype and float(expected) == math.inf
+    assert float(total) == math.inf
+    for get_total_norm in (titanmac_c.get_total_norm, torch.nn.utils.get_total_norm):
+        with pytest.raises(RuntimeError, match="is non-finite"):
+            get_total_norm(grads, norm_type, error_if_nonfinite=True)
+
+    for error_if_nonfinite in (True, False):
+        ps, torch_ps = ([torch.nn.Parameter(p.clone()) for p in params] for _ in range(2))
+        for p, q, g in zip(ps, torch_ps, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        results = []
+        for clip, model in ((titanmac_c.clip_grad_norm_, ps),
+                            (torch.nn.utils.clip_grad_norm_, torch_ps)):
+            try:
+                results.append(clip(model, 1.0, norm_type, error_if_nonfinite=error_if_nonfinite))
+            except RuntimeError as exc:
+                assert "is non-finite" in str(exc)
+                results.append("raised")
+        assert error_if_nonfinite == (results[1] == "raised")  # what torch does here
+        if error_if_nonfinite:
+            assert results[0] == "raised"
+        else:
+            assert results[0].dtype == results[1].dtype and float(results[0]) == math.inf
+        for p, q in zip(ps, torch_ps):
+            assert torch.equal(p.grad, q.grad)
+        for p, g in zip(ps, grads):  # untouched when raised, else scaled by 0
+            assert torch.equal(p.grad, g if error_if_nonfinite else torch.zeros_like(g))
