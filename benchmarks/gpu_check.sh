@@ -5,19 +5,30 @@
 # torch version and this command.
 #
 # Usage: bash benchmarks/gpu_check.sh            (from the repository root; needs torch + nvcc)
-#        On a lent machine (10 minutes a call, 30 a session; H100 timings of 2026-11-22: build
-#        ~30 s, tests ~155 s, memcheck and racecheck ~5 and ~20 s a test), three calls:
-#          OUT=$OUT PACK=1 STEPS="build tests large train_cms" bash benchmarks/gpu_check.sh
-#          OUT=$OUT PACK=1 STEPS="build racecheck memcheck" SAN_TIMEOUT=270 bash ...
-#          OUT=$OUT PACK=1 STEPS="build bench bench64 host train phase1 train_legacy profile dist" \
-#            bash ...
-#        (the suite has tripled since those timings; the tests step runs it in 8 processes where
-#        pytest-xdist is installed, as on the lent machines)
+#        A lent machine now gives a task 15 minutes of device time, its start (a minute or two)
+#        included, and 10 minutes a call: one call, with BUDGET so the script stops starting
+#        steps in time to pack what it has. What no GPU run has checked yet comes first (CUDA's
+#        torch-ops Phase 1 and the CMS graph step with Phase 1 between two graphs, tested on the
+#        CPU only), the CPU tests are left to CI:
+#          OUT=$OUT PACK=1 BUDGET=520 TESTS_K=cuda \
+#            SAN_K="cuda and (test_layouts or test_disjoint_check or test_deep_nested_inputs)" \
+#            STEPS="build tests train_cms phase1 train_legacy memcheck" bash benchmarks/gpu_check.sh
+#        with the device tool's timeout_s at 570. H100 timings of 2026-11-22/23: build ~30 s,
+#        the whole suite ~155 s when it was a third of its size (it runs in 8 processes where
+#        pytest-xdist is installed, as on the lent machines), memcheck and racecheck ~5 and ~20 s
+#        a test, a bench_train run 20-60 s. memcheck, last, gets what is left (its SAN_K here:
+#        the CUDA tests no sanitizer has run yet); summary.txt gives each step's seconds, for
+#        the next plan.
 # Env:   TITANMAC_CUDA_ARCHS  defaults to the compute capability of GPU 0 (fast build)
 #        OUT                  folder for logs and JSON (default benchmarks/out)
 #        STEPS                which checks to run, always in the script's order (default:
-#                             all: "build tests large racecheck memcheck bench bench64 host
-#                             train train_cms phase1 train_legacy profile dist")
+#                             all: "build tests large bench bench64 host train train_cms
+#                             phase1 train_legacy profile dist racecheck memcheck")
+#        BUDGET               seconds the whole script may take: a step is not started once
+#                             they are spent ("no time"), and each runs under a timeout of what
+#                             is left ("timeout"), so PACK still happens (default: no limit)
+#        TESTS_K              pytest -k selection of the tests step (default: every test;
+#                             "cuda": the CUDA-parametrized ones, the CPU ones being CI's)
 #        PACK=1               at the end, pack every file in OUT but summary.txt into
 #                             OUT/gpu_check.tar.gz (a lent machine returns only a few files)
 #        SAN_K, RACE_K        pytest -k selections of memcheck and racecheck (defaults below)
@@ -30,21 +41,32 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-declare -A RESULT
-ALL_STEPS="build tests large racecheck memcheck bench bench64 host train train_cms phase1 \
-train_legacy profile dist"
+declare -A RESULT TOOK
+ALL_STEPS="build tests large bench bench64 host train train_cms phase1 train_legacy profile dist \
+racecheck memcheck"
 STEPS=${STEPS:-$ALL_STEPS}
 
-step() {  # step NAME COMMAND...: run, log to $OUT/NAME.log, remember pass/fail
+step() {  # step NAME COMMAND...: run, log to $OUT/NAME.log, remember pass/fail and seconds
     local name=$1; shift
     case " $STEPS " in *" $name "*) ;; *) return 0 ;; esac
+    local limit=() start=$SECONDS
+    if [ -n "${BUDGET:-}" ]; then
+        local left=$((BUDGET - SECONDS))
+        if [ "$left" -lt 10 ]; then
+            RESULT[$name]="no time"
+            echo "=== $name: not started, BUDGET=$BUDGET s spent"
+            return 0
+        fi
+        limit=(timeout -k 10 "$left")
+    fi
     echo "=== $name: $*"
-    "$@" 2>&1 | tee "$OUT/$name.log"
+    "${limit[@]}" "$@" 2>&1 | tee "$OUT/$name.log"
     case ${PIPESTATUS[0]} in
         0) RESULT[$name]=pass ;;
         124) RESULT[$name]=timeout ;;
         *) RESULT[$name]=FAIL ;;
     esac
+    TOOK[$name]=$((SECONDS - start))
 }
 
 if [ -z "${TITANMAC_CUDA_ARCHS:-}" ]; then
@@ -63,10 +85,29 @@ if [ "${TEST_WORKERS:-8}" != 0 ] && python3 -c "import xdist" 2>/dev/null; then
 else
     PYTEST=(python3 -P -m pytest)
 fi
-step tests "${PYTEST[@]}" -q -rfEs tests
+TESTS_SELECT=()
+[ -n "${TESTS_K:-}" ] && TESTS_SELECT=(-k "$TESTS_K")
+step tests "${PYTEST[@]}" -q -rfEs "${TESTS_SELECT[@]}" tests
 # Tensors past 2^31 elements on the GPU (~18 GB of its memory; the suite skips them otherwise)
 step large env TITANMAC_LARGE_TESTS=1 python3 -P -m pytest -q -rfEs -k cuda \
     tests/test_large_tensors.py
+step bench python3 benchmarks/bench_step.py --device cuda --out "$OUT/bench_step_cuda.json"
+step bench64 python3 benchmarks/bench_step.py --device cuda --dtype float64 --sizes titanmac,gpt2 \
+    --out "$OUT/bench_step_cuda_float64.json"
+step host python3 benchmarks/bench_host.py --device cuda
+step train python3 benchmarks/bench_train.py --device cuda --steps 100 \
+    --out "$OUT/bench_train_cuda.json"
+step train_cms python3 benchmarks/bench_train.py --device cuda --mode cms --steps 100 \
+    --out "$OUT/bench_train_cms_cuda.json"
+step phase1 python3 benchmarks/bench_phase1.py --device cuda
+step train_legacy python3 benchmarks/bench_train.py --device cuda --mode cms --net legacy \
+    --steps 100 --out "$OUT/bench_train_legacy_cuda.json"
+step profile python3 benchmarks/profile_step.py --device cuda --sizes titanmac,d1024l8 \
+    --out "$OUT/profile_step_cuda.json"
+step dist python3 benchmarks/bench_distributed.py --device cuda --world 1 --layers 50 \
+    --width 2048
+
+# The sanitizers last: a BUDGET that runs out cuts their coverage, not the benchmarks.
 SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 # The sanitizers run the CUDA-parametrized tests only (the CPU ones do not touch the GPU), less
 # the long parity runs (hundreds of steps of the same kernels; 10-100x slower under a sanitizer).
@@ -87,29 +128,14 @@ step racecheck "${SAN_LIMIT[@]}" "$SAN" --tool racecheck --error-exitcode 1 \
 # no tensor can be allocated inside a graph capture: memcheck skips the graph tests.
 step memcheck env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "${SAN_LIMIT[@]}" "$SAN" --tool memcheck \
     --error-exitcode 1 python3 -P -m pytest -q -x -k "($SAN_K) and not graph" tests
-step bench python3 benchmarks/bench_step.py --device cuda --out "$OUT/bench_step_cuda.json"
-step bench64 python3 benchmarks/bench_step.py --device cuda --dtype float64 --sizes titanmac,gpt2 \
-    --out "$OUT/bench_step_cuda_float64.json"
-step host python3 benchmarks/bench_host.py --device cuda
-step train python3 benchmarks/bench_train.py --device cuda --steps 100 \
-    --out "$OUT/bench_train_cuda.json"
-step train_cms python3 benchmarks/bench_train.py --device cuda --mode cms --steps 100 \
-    --out "$OUT/bench_train_cms_cuda.json"
-step phase1 python3 benchmarks/bench_phase1.py --device cuda
-step train_legacy python3 benchmarks/bench_train.py --device cuda --mode cms --net legacy \
-    --steps 100 --out "$OUT/bench_train_legacy_cuda.json"
-step profile python3 benchmarks/profile_step.py --device cuda --sizes titanmac,d1024l8 \
-    --out "$OUT/profile_step_cuda.json"
-step dist python3 benchmarks/bench_distributed.py --device cuda --world 1 --layers 50 \
-    --width 2048
 
 status=0
 {
     echo
     echo "=== summary ($(date -u +%Y-%m-%d), $(head -n1 "$OUT/gpu.txt"))"
-    printf '%-10s %s\n' check result
+    printf '%-12s %-8s %s\n' check result seconds
     for name in $STEPS; do
-        printf '%-10s %s\n' "$name" "${RESULT[$name]:-not run}"
+        printf '%-12s %-8s %s\n' "$name" "${RESULT[$name]:-not run}" "${TOOK[$name]:--}"
     done
     [ -f "$OUT/tests.log" ] && grep -E "passed|failed|skipped" "$OUT/tests.log" | tail -n1
 } | tee "$OUT/summary.txt"
