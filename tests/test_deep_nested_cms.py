@@ -520,3 +520,92 @@ def test_graph_mode_step_logic_with_simulated_replays(monkeypatch, fixes):
     for we, wg in zip(eager.momentum_mlp.parameters(), graphed.momentum_mlp.parameters()):
         torch.testing.assert_close(wg, we, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(graphed._lr, eager._lr)
+
+
+def _host_numbers(opt):
+    """What a capture of a step freezes besides t: the numbers its calls take from the host."""
+    groups = [{k: v for k, v in g.items() if k != "params"}
+              for g in opt.base_optimizer.param_groups]
+    return opt.max_grad_norm, opt.weight_decay, groups
+
+
+def _set_host_numbers(opt, numbers):
+    opt.max_grad_norm, opt.weight_decay, groups = numbers
+    for group, values in zip(opt.base_optimizer.param_groups, groups):
+        group.update(values)
+
+
+@pytest.mark.parametrize("cms", [False, True], ids=["adamw", "cms"])
+def test_graph_mode_captures_again_when_a_host_number_changes(monkeypatch, cms):
+    """A CUDA graph replays the numbers its calls took from the host at the capture. Simulated
+    replays on the CPU that do the same (each kind of step keeps, with its calls, max_grad_norm,
+    the weight decay and the AdamW groups' hyperparameters as they were at its capture, and runs
+    the calls under them), against eager steps, with max_grad_norm changed at step 6, the weight
+    decay at 8 (CMS mode: opt.weight_decay; AdamW mode: a group's), and in AdamW mode betas at 10
+    and eps at 12: parameters and state after every step as eager's, to the rounding of the
+    graph's learning rates (mu, then times base_lr's tensor). The replays went on with the
+    capture's values (the graphs were captured again only for new addresses), so the changes
+    were lost in graph mode."""
+    from titanmac_c._dno_graph import GraphState
+
+    captures = []
+
+    def replay(self, key, calls):
+        if key not in self.graphs:
+            self.graphs[key] = (calls, copy.deepcopy(_host_numbers(self.opt)))
+            captures.append(key)
+        kept, frozen = self.graphs[key]
+        live = _host_numbers(self.opt)
+        _set_host_numbers(self.opt, frozen)
+        try:
+            kept()
+        finally:
+            _set_host_numbers(self.opt, live)
+        self.captured = True
+
+    monkeypatch.setattr(GraphState, "_replay", replay)
+    changes = {6: lambda opt: setattr(opt, "max_grad_norm", 0.05)}
+    if cms:
+        changes[8] = lambda opt: setattr(opt, "weight_decay", 0.2)
+    else:
+        changes[8] = lambda opt: opt.base_optimizer.param_groups[1].update(weight_decay=0.2)
+        changes[10] = lambda opt: opt.base_optimizer.param_groups[0].update(betas=(0.8, 0.99))
+        changes[12] = lambda opt: opt.base_optimizer.param_groups[1].update(eps=1e-3)
+    batches = synthetic_batches("mlp", 14, seed=9)
+    models, opts = [], []
+    for graph in (False, True):
+        model = make_mlp_10_32_5()
+        torch.manual_seed(0)
+        opt = titanmac_c.DeepNestedOptimizer(model, use_cms_updates=cms, cms_frequencies=[1, 3],
+                                             weight_decay=0.01, max_grad_norm=1.0,
+                                             cuda_graph_warmup_steps=2)
+        opt._phase1_cpu_path = False  # CUDA's Phase 1 (torch ops, no host read of the skip)
+        if graph:
+            opt._graph = GraphState(opt)
+        models.append(model)
+        opts.append(opt)
+    def close(got, want, where):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-8,
+                                   msg=lambda m: f"{where}: {m}")
+
+    for step, batch in enumerate(batches, 1):
+        for model, opt in zip(models, opts):
+            if step in changes:
+                changes[step](opt)
+            opt.zero_grad(set_to_none=opt._graph is None)
+            loss = loss_fn(model, batch)
+            loss.backward()
+            opt.step(loss.detach())
+        for (name, pe), pg in zip(models[0].named_parameters(), models[1].parameters()):
+            close(pg, pe, f"step {step}: {name}")
+            if cms:
+                for level, (le, lg) in enumerate(zip(opts[0].state[pe].levels,
+                                                     opts[1].state[pg].levels)):
+                    close(lg.momentum, le.momentum, f"step {step}: {name} momentum[{level}]")
+            else:
+                for key in ("exp_avg", "exp_avg_sq"):
+                    close(opts[1].base_optimizer.state[pg][key],
+                          opts[0].base_optimizer.state[pe][key], f"step {step}: {name} {key}")
+    assert opts[1]._graph.captured
+    # each change captured the kinds of step again (one capture a kind, else)
+    assert len(captures) > len(set(captures)), captures

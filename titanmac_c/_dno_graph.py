@@ -4,8 +4,9 @@ CUDA graph, one per kind of step (controller or not; in CMS mode, which levels f
 replayed; in CMS mode a step that trains the DirectUpdateMLP (Phase 1, eager torch ops) runs it
 between two graphs, the statistics and control before it and Phase 2 after. The gradients live
 in static buffers (zero_grad zeroes them in place; a gradient that was reallocated anyway is
-copied in), base_lr reaches the graph through a device tensor, and a reload re-captures (B8, B9,
-B10 fixed). Tested on an H100 against eager, AdamW and CMS modes (the two-graph Phase 1 step not
+copied in), base_lr reaches the graph through a device tensor, a reload re-captures (B8, B9,
+B10 fixed), and so does a change of a number the calls take from the host (max_grad_norm, the
+weight decay, AdamW's group hyperparameters). Tested on an H100 against eager, AdamW and CMS modes (the two-graph Phase 1 step not
 yet: its logic is tested on the CPU with simulated replays, tests/test_deep_nested_cms.py).
 """
 
@@ -34,6 +35,7 @@ class GraphState:
         self.base_lr = None
         self.captured = False
         self.addresses = None  # see _addresses
+        self.host_values = None  # see _host_values
 
     def supported(self):
         if self.opt.device.type != "cuda" or not _C.cuda_compiled():
@@ -48,6 +50,7 @@ class GraphState:
         self.static_grads = None
         self.captured = False
         self.addresses = None
+        self.host_values = None
 
     def _addresses(self, params):
         """The memory the captured calls read and write besides the static gradients and the
@@ -59,6 +62,22 @@ class GraphState:
         if opt._cms is not None:
             weights = weights + opt._weights_of("momentum_mlp")
         return tuple(t.data_ptr() for t in params) + tuple(w.data_ptr() for w in weights)
+
+    def _host_values(self):
+        """The numbers the captured calls take from the host, which a capture freezes: the clip
+        threshold, and the update's hyperparameters (CMS: the weight decay; AdamW: each group's
+        betas, eps, weight decay, maximize and amsgrad, as its step reads them, so a value the
+        step would refuse is refused here, before anything is written). One changed since the
+        capture (a weight decay schedule, a new max_grad_norm) captures the graphs again: the
+        replays would go on with the old value."""
+        opt = self.opt
+        if opt._cms is not None:
+            update = opt.weight_decay
+        else:
+            read = opt.base_optimizer._hparams.of_group
+            update = tuple((read(gi, g), bool(g.get("amsgrad", False)))
+                           for gi, g in enumerate(opt.base_optimizer.param_groups))
+        return (opt.max_grad_norm, update)
 
     def _bind_grads(self, params):
         """Make every parameter's .grad the static buffer the graphs read. False when the set of
@@ -88,9 +107,11 @@ class GraphState:
         if not self._bind_grads(params):
             return False
         addresses = self._addresses(params)
-        if addresses != self.addresses:
+        host_values = self._host_values()
+        if addresses != self.addresses or host_values != self.host_values:
             self.graphs = {}
             self.addresses = addresses
+            self.host_values = host_values
             self._lay_out_state(params)
         if self.base_lr is None:
             self.base_lr = torch.empty(1, dtype=torch.float32, device=opt.device)
