@@ -566,6 +566,47 @@ def test_tensors_of_different_parameters_sharing_memory_are_refused(what, match,
 
 
 
+@pytest.mark.parametrize("mixed_amsgrad", [False, True], ids=["one_call", "two_calls"])
+def test_a_parameter_listed_twice_is_named_as_such(mixed_amsgrad):
+    """The same Parameter twice in a group (torch warns and steps it twice): its one state
+    would be written twice by one call, refused as shared memory by the C core (one call) or
+    the Python precheck (two calls); the message says what the user did, naming both entries,
+    and the first step writes nothing, state entries included."""
+    a, b = (torch.nn.Parameter(torch.randn(n)) for n in (5, 3))
+    groups = [{"params": [a, b, a]}]
+    every = [a, b]
+    if mixed_amsgrad:
+        c = torch.nn.Parameter(torch.randn(4))
+        groups.append({"params": [c], "amsgrad": True})
+        every.append(c)
+    with pytest.warns(UserWarning, match="duplicate parameters"):  # torch's, at construction
+        opt = titanmac_c.AdamW(groups, lr=0.1)
+    for p in every:
+        p.grad = torch.randn_like(p)
+    expect_refused(opt, every, ValueError,
+                   r"^param_groups\[0\]\['params'\]\[2\]: the same Parameter as "
+                   r"param_groups\[0\]\['params'\]\[0\], listed twice")
+
+
+@pytest.mark.parametrize("betas", [0.9, None])
+def test_betas_that_are_no_pair_are_named_at_construction(betas):
+    """A TypeError, as torch's (which says "'float' object is not subscriptable"), that names
+    betas."""
+    p = [torch.nn.Parameter(torch.ones(2))]
+    with pytest.raises(TypeError):
+        torch.optim.AdamW(p, betas=betas)
+    with pytest.raises(TypeError, match=rf"^betas = {betas}: expected a pair of numbers"):
+        titanmac_c.AdamW(p, betas=betas)
+
+
+def test_fused_and_foreach_together_refused_as_torch_refuses_them():
+    p = [torch.nn.Parameter(torch.ones(2))]
+    for cls in (torch.optim.AdamW, titanmac_c.AdamW):
+        with pytest.raises(RuntimeError, match="`fused` and `foreach` cannot be `True` together"):
+            cls(p, fused=True, foreach=True)
+    for fused, foreach in ((True, False), (False, True), (True, None), (None, True)):
+        titanmac_c.AdamW(p, fused=fused, foreach=foreach)
+
 def test_a_written_tensor_inside_a_long_read_span_past_a_shorter_one_is_refused():
     """The overlap sweep goes through the tensors in address order and must compare each with
     the furthest-reaching one so far, not the one before it: a gradient spanning a buffer,

@@ -404,3 +404,38 @@ def test_clip_method_returns_the_norm_in_the_gradients_dtype_like_torch(dtype):
                                                     for p in params_a]))
         assert norm_a == exact.to(dtype)
         ours.step()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("norm_type", [1.0, 2.0, math.inf, 3.0])
+def test_empty_gradients_count_zero_towards_every_norm(device, norm_type):
+    """Empty gradients (numel 0) among others: the total norm and the clip are torch's over the
+    non-empty ones (for the infinity norm torch raises whenever one is empty: README,
+    "Differences from torch"), and gradients that are all empty have norm 0, scaled by
+    nothing."""
+    torch.manual_seed(4)
+    shapes = [(0,), (7,), (0, 3), (300,), (2, 0)]
+    grads = [torch.randn(s, device=device) * 3 for s in shapes]
+    nonempty = [g for g in grads if g.numel()]
+    total = titanmac_c.get_total_norm(grads, norm_type)
+    torch.testing.assert_close(total, torch.nn.utils.get_total_norm(nonempty, norm_type))
+
+    ps = [torch.nn.Parameter(torch.zeros(s, device=device)) for s in shapes]
+    for p, g in zip(ps, grads):
+        p.grad = g.clone()
+    theirs = [torch.nn.Parameter(torch.zeros_like(g)) for g in nonempty]
+    for p, g in zip(theirs, nonempty):
+        p.grad = g.clone()
+    torch_total = torch.nn.utils.clip_grad_norm_(theirs, 1.0, norm_type)
+    ours = titanmac_c.clip_grad_norm_(ps, 1.0, norm_type)
+    torch.testing.assert_close(ours, torch_total)
+    for got, q in zip([p.grad for p in ps if p.numel()], theirs):
+        torch.testing.assert_close(got, q.grad)
+    assert float(ours) > 1.0  # the gradients were clipped
+
+    empty = [torch.zeros(s, device=device) for s in shapes if 0 in s]
+    assert float(titanmac_c.get_total_norm(empty, norm_type)) == 0.0
+    eps = [torch.nn.Parameter(t.clone()) for t in empty]
+    for p in eps:
+        p.grad = torch.zeros_like(p)
+    assert float(titanmac_c.clip_grad_norm_(eps, 1.0, norm_type)) == 0.0

@@ -74,8 +74,13 @@ class AdamW(Optimizer):
             raise ValueError(f"Invalid learning rate: {lr}")
         if not 0.0 <= eps:
             raise ValueError(f"Invalid epsilon value: {eps}")
-        if len(betas) != 2:
-            raise ValueError(f"betas: expected 2 values, got {len(betas)}")
+        try:
+            n_betas = len(betas)
+        except TypeError:  # a number, None: torch's 'float' object is not subscriptable
+            raise TypeError(f"betas = {betas!r}: expected a pair of numbers (beta1, beta2)") \
+                from None
+        if n_betas != 2:
+            raise ValueError(f"betas: expected 2 values, got {n_betas}")
         for i, beta in enumerate(betas):
             if not 0.0 <= scalar(f"betas[{i}]", beta) < 1.0:
                 raise ValueError(f"Invalid beta parameter at index {i}: {beta}")
@@ -86,6 +91,8 @@ class AdamW(Optimizer):
             raise ValueError(f"Invalid weight_decay value: {weight_decay}")
         if differentiable:
             raise ValueError("titanmac_c.AdamW does not support differentiable=True")
+        if fused and foreach:  # as torch's AdamW refuses them
+            raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
         defaults = dict(
             lr=lr,
             betas=betas,
@@ -382,6 +389,8 @@ class AdamW(Optimizer):
                           grad_scale=grad_scale, skip=skip, scratch=scratch,
                           zero_grads_on_skip=zero_grads_on_skip, loss_scale=loss_scale, **kwargs)
         except (ValueError, TypeError, BufferError) as exc:
+            if "shares memory" in str(exc):
+                batch.refuse_listed_twice()
             group_names = [f"param_groups[{i}]" for i in range(len(groups))]
             reraise_with_names(exc, batch.names, group_names)
         if loss_scale is not None:
