@@ -100,7 +100,7 @@ class Ours:
             for l, lvl in enumerate(self.ref.state[p].levels):
                 self.state["momentum"][l][i].copy_(lvl.momentum.reshape(-1))
 
-    def step(self, grads, t, coef=None, skip=None, num_threads=2):
+    def step(self, grads, t, coef=None, skip=None, num_threads=2, t_arg=None, context=None):
         freqs = self.ref.cms_frequencies
         base = freqs[1] if self.K > 1 else 10
         dev = self.device
@@ -114,7 +114,8 @@ class Ours:
             divisors=[float(max(f, 1)) for f in freqs],
             ema_decays=[0.99 ** (1.0 / int(base ** l)) for l in range(self.K)], net=self.net,
             hidden=self.ref.momentum_mlp.hidden_dim, layers=self.ref.momentum_mlp.num_layers,
-            weight_decay=self.ref.weight_decay, t=t, base_lr=self.ref.base_lr,
+            weight_decay=self.ref.weight_decay, t=t if t_arg is None else t_arg,
+            base_lr=self.ref.base_lr, context=context,
             loss=torch.tensor([LOSS], **f32),
             grad_scale=None if coef is None else torch.tensor([coef], **f32),
             skip=None if skip is None else torch.tensor([skip], **f32),
@@ -420,6 +421,35 @@ def test_cpu_bits_do_not_depend_on_isa_or_threads(net):
         _C._select_cpu_isa(current)
     assert all(torch.equal(r, results[0]) for r in results[1:])
 
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("net", ["direct", "legacy"])
+def test_context_in_memory_replaces_t_and_base_lr(device, net):
+    """context = float64 (t, base_lr) on the device (what a CUDA graph's replays read): the
+    same bits as the numbers given as arguments, with the arguments then ignored (given wrong
+    here), over steps where levels 0-2 fire; the legacy network's (a, b, d) read t / 1000 and
+    base_lr, so a wrong t or base_lr reaching them changes its momenta (checked: the arguments
+    alone, wrong, give other bits)."""
+    runs = {}
+    for mode in ("numbers", "context", "wrong_numbers"):
+        ref, params, group_of = make_case(net, (1, 10, 100), 0.01, device=device)
+        ours = Ours(ref, params, group_of, device)
+        gen = torch.Generator().manual_seed(6)
+        for t in (99, 100, 101):
+            grads = make_grads(params, gen, torch.float32)
+            if mode == "numbers":
+                ours.step(grads, t, 0.75)
+                continue
+            true_t, true_lr = t, ref.base_lr
+            ref.base_lr = 0.37  # what the arguments now say
+            ctx = torch.tensor([float(true_t), true_lr], dtype=torch.float64, device=device)
+            ours.step(grads, t, 0.75, t_arg=5000.0,
+                      context=None if mode == "wrong_numbers" else ctx)
+            ref.base_lr = true_lr
+        runs[mode] = torch.cat([x.reshape(-1) for x in ours.params] +
+                               [x for lv in ours.state["momentum"] for x in lv])
+    assert torch.equal(runs["context"], runs["numbers"])
+    assert torch.equal(runs["wrong_numbers"], runs["numbers"]) == (net == "direct")
 
 @pytest.mark.skipif(not CUDA, reason="no CUDA device or backend")
 @pytest.mark.parametrize("net", ["direct", "legacy"])

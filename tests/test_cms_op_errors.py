@@ -204,6 +204,12 @@ KEYWORD_CASES = [
                  "grad_scale: expected float32 with 1 element, got float32 with 2"),
     _bad_keyword("skip_dtype", "skip", torch.zeros(1, dtype=torch.float16),
                  "skip: expected float32 with 1 element, got float16 with 1"),
+    _bad_keyword("context_dtype", "context", torch.zeros(2),
+                 "context: expected float64 with 2 elements \\(t, base_lr\\), got float32 with 2"),
+    _bad_keyword("context_numel", "context", torch.zeros(3, dtype=torch.float64),
+                 "context: expected float64 with 2 elements \\(t, base_lr\\), got float64 with 3"),
+    _bad_keyword("context_empty", "context", torch.zeros(0, dtype=torch.float64),
+                 "context: an empty tensor \\(give None to leave it out\\)"),
 ]
 
 

@@ -526,26 +526,28 @@ def _host_numbers(opt):
     """What a capture of a step freezes besides t: the numbers its calls take from the host."""
     groups = [{k: v for k, v in g.items() if k != "params"}
               for g in opt.base_optimizer.param_groups]
-    return opt.max_grad_norm, opt.weight_decay, groups
+    return opt.max_grad_norm, opt.weight_decay, opt.base_lr, groups
 
 
 def _set_host_numbers(opt, numbers):
-    opt.max_grad_norm, opt.weight_decay, groups = numbers
+    opt.max_grad_norm, opt.weight_decay, opt.base_lr, groups = numbers
     for group, values in zip(opt.base_optimizer.param_groups, groups):
         group.update(values)
 
 
-@pytest.mark.parametrize("cms", [False, True], ids=["adamw", "cms"])
-def test_graph_mode_captures_again_when_a_host_number_changes(monkeypatch, cms):
-    """A CUDA graph replays the numbers its calls took from the host at the capture. Simulated
-    replays on the CPU that do the same (each kind of step keeps, with its calls, max_grad_norm,
-    the weight decay and the AdamW groups' hyperparameters as they were at its capture, and runs
-    the calls under them), against eager steps, with max_grad_norm changed at step 6, the weight
-    decay at 8 (CMS mode: opt.weight_decay; AdamW mode: a group's), and in AdamW mode betas at 10
-    and eps at 12: parameters and state after every step as eager's, to the rounding of the
+@pytest.mark.parametrize("mode", ["adamw", "cms", "cms_legacy"])
+def test_graph_replays_see_the_numbers_of_their_step(monkeypatch, mode):
+    """A CUDA graph replays the numbers its calls took from the host at the capture, t among
+    them. Simulated replays on the CPU that do the same (each kind of step keeps its calls,
+    which hold the t of the capture, with max_grad_norm, the weight decay, base_lr and the
+    AdamW groups' hyperparameters as they were then, and runs them under those), against eager
+    steps, with max_grad_norm changed at step 6, the weight decay at 8 (CMS mode:
+    opt.weight_decay; AdamW mode: a group's), base_lr at 9, and in AdamW mode betas at 10 and
+    eps at 12: parameters and state after every step as eager's, to the rounding of the
     graph's learning rates (mu, then times base_lr's tensor). The replays went on with the
-    capture's values (the graphs were captured again only for new addresses), so the changes
-    were lost in graph mode."""
+    capture's values of all but base_lr (the graphs were captured again only for new
+    addresses); the legacy network's context [t / 1000, base_lr, ...] now reads t and base_lr
+    from a device tensor (it ran eagerly before, its t being the capture's)."""
     from titanmac_c._dno_graph import GraphState
 
     captures = []
@@ -564,26 +566,35 @@ def test_graph_mode_captures_again_when_a_host_number_changes(monkeypatch, cms):
         self.captured = True
 
     monkeypatch.setattr(GraphState, "_replay", replay)
-    changes = {6: lambda opt: setattr(opt, "max_grad_norm", 0.05)}
+    cms = mode != "adamw"
+    changes = {6: lambda opt: setattr(opt, "max_grad_norm", 0.05),
+               9: lambda opt: setattr(opt, "base_lr", opt.base_lr * 0.5)}
     if cms:
         changes[8] = lambda opt: setattr(opt, "weight_decay", 0.2)
     else:
         changes[8] = lambda opt: opt.base_optimizer.param_groups[1].update(weight_decay=0.2)
         changes[10] = lambda opt: opt.base_optimizer.param_groups[0].update(betas=(0.8, 0.99))
         changes[12] = lambda opt: opt.base_optimizer.param_groups[1].update(eps=1e-3)
-    batches = synthetic_batches("mlp", 14, seed=9)
+    batches = synthetic_batches("mlp", 16, seed=9)
     models, opts = [], []
     for graph in (False, True):
         model = make_mlp_10_32_5()
         torch.manual_seed(0)
         opt = titanmac_c.DeepNestedOptimizer(model, use_cms_updates=cms, cms_frequencies=[1, 3],
+                                             use_preprocessing=mode != "cms_legacy",
                                              weight_decay=0.01, max_grad_norm=1.0,
                                              cuda_graph_warmup_steps=2)
         opt._phase1_cpu_path = False  # CUDA's Phase 1 (torch ops, no host read of the skip)
+        if mode == "cms_legacy":  # its output layer starts at 0: make the context matter
+            gen = torch.Generator().manual_seed(3)
+            with torch.no_grad():
+                for w in opt.momentum_mlp.parameters():
+                    w.copy_(torch.randn(w.shape, generator=gen) * 0.3)
         if graph:
             opt._graph = GraphState(opt)
         models.append(model)
         opts.append(opt)
+
     def close(got, want, where):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-8,
                                    msg=lambda m: f"{where}: {m}")

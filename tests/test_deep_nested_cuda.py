@@ -41,7 +41,8 @@ def _train(model, opt, batches, set_to_none=True, nan_loss_at=None):
 def test_step_makes_no_host_sync(graph, mode):
     """Steps 6-12: in CMS mode with the DirectUpdateMLP step 10 also runs Phase 1 (the surrogate
     training, every 5; with the fixes on the current gradients, between two graphs in graph
-    mode); the legacy network steps eagerly in graph mode too."""
+    mode); in graph mode every step from the capture on is replayed, the legacy network's
+    too (t and base_lr reach its context through a device tensor filled before the replay)."""
     model = _model()
     opt = titanmac_c.DeepNestedOptimizer(model, use_cuda_graph=graph, cuda_graph_warmup_steps=2,
                                          use_cms_updates=mode != "adamw",
@@ -59,9 +60,10 @@ def test_step_makes_no_host_sync(graph, mode):
             opt.step(loss.detach())
         finally:
             torch.cuda.set_sync_debug_mode(0)
+    assert opt._graph is None or opt._graph.captured == graph
 
 
-def _eager_and_graph(steps, seed, captured=True, nan_loss_at=None, **kw):
+def _eager_and_graph(steps, seed, captured=True, nan_loss_at=None, mlp_scale=None, **kw):
     """The same model trained eagerly and in graph mode from the same networks; returns both
     models, both optimizers and both loss curves. The optimizer's kernels are the same in both
     modes; the backward's are not bitwise repeatable (the embedding's gradient adds with
@@ -71,6 +73,11 @@ def _eager_and_graph(steps, seed, captured=True, nan_loss_at=None, **kw):
     model_g = copy.deepcopy(model_e)
     eager = titanmac_c.DeepNestedOptimizer(model_e, **KW, **kw)
     graph = titanmac_c.DeepNestedOptimizer(model_g, use_cuda_graph=True, **KW, **kw)
+    if mlp_scale is not None:  # random momentum-network weights (e.g. the legacy output layer
+        gen = torch.Generator().manual_seed(seed)  # starts at 0: make its inputs matter)
+        with torch.no_grad():
+            for w in eager.momentum_mlp.parameters():
+                w.copy_(torch.randn(w.shape, generator=gen).cuda() * mlp_scale)
     graph.controller.load_state_dict(eager.controller.state_dict())
     graph.momentum_mlp.load_state_dict(eager.momentum_mlp.state_dict())
     batches = synthetic_batches("titanmac", steps, seed=seed, device="cuda")
@@ -146,13 +153,16 @@ def test_graph_mode_matches_eager_with_the_fixes_and_a_skipped_phase1_step():
                                    msg=lambda m: f"momentum_mlp.{name}: {m}")
 
 
-def test_graph_mode_with_the_legacy_network_steps_eagerly():
-    """use_cuda_graph=True with the legacy L2RegressionMomentum network: its context holds the
-    step number, so no step is captured and the run matches an eager one."""
-    model_e, eager, model_g, graph = _eager_and_graph(12, seed=4, captured=False,
+def test_graph_mode_with_the_legacy_network_matches_eager():
+    """use_cuda_graph=True with the legacy L2RegressionMomentum network (random weights, so its
+    context [t / 1000, base_lr, ln(loss + 1)] moves its coefficients): captured, with t and
+    base_lr read from a device tensor the step fills, over 24 steps (levels 0 and 1 firing),
+    and the run matches an eager one."""
+    model_e, eager, model_g, graph = _eager_and_graph(24, seed=4, mlp_scale=0.3,
                                                       use_cms_updates=True,
                                                       use_preprocessing=False)
     _assert_momenta_close(model_g, graph, model_e, eager)
+    assert graph._graph.context is not None and float(graph._graph.context[0]) == 24.0
 
 
 @pytest.mark.parametrize("relayout", [False, True], ids=["moved", "relaid-out"])

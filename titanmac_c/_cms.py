@@ -227,9 +227,12 @@ class CMSModeMixin:
             del plans[next(iter(plans))]
         return plan
 
-    def _cms_phase2(self, t, check_only=False):
+    def _cms_phase2(self, t, check_only=False, context=None):
         """Spec 7.2 Phase 2 for every grouped tensor with a gradient: one tm_cms_step call.
-        check_only: the call's checks alone (tm_cms_check), nothing run or written."""
+        check_only: the call's checks alone (tm_cms_check), nothing run or written. context:
+        None, or a float64 [2] device tensor that holds (t, base_lr) for the legacy network's
+        context when the call runs, read there instead of the numbers (CUDA-graph mode: a
+        replay repeats the numbers of its capture)."""
         grads, params, group_of, _ = self._gather(with_params=True)
         if not params:
             return
@@ -244,13 +247,13 @@ class CMSModeMixin:
             laid = self._cms_laid_out_grads(idx, params, grads) if self._cms_relaid else None
             if laid is None:
                 try:
-                    self._cms_call(t, idx, params, grads, group_of, check_only)
+                    self._cms_call(t, idx, params, grads, group_of, check_only, context)
                 except BufferError:
                     laid = self._cms_laid_out_grads(idx, params, grads)
                     if laid is None:
                         raise
             if laid is not None:
-                self._cms_call(t, idx, params, laid, group_of, check_only)
+                self._cms_call(t, idx, params, laid, group_of, check_only, context)
         except (BufferError, ValueError, TypeError) as err:
             self._reraise_named(err, params, weights_of="momentum_mlp")
         self._cms_relaid = laid is not None
@@ -269,7 +272,7 @@ class CMSModeMixin:
             changed = changed or laid[-1] is not g
         return laid if changed else None
 
-    def _cms_call(self, t, idx, params, grads, group_of, check_only):
+    def _cms_call(self, t, idx, params, grads, group_of, check_only, context=None):
         """tm_cms_step (or its checks alone) on the tensors at idx."""
         cms = self._cms
         lists = {name: cms.level_lists(name, idx) for name in CMS_BUFFERS}
@@ -288,7 +291,7 @@ class CMSModeMixin:
             ema_decays=cms.ema_decays, net=net, hidden=hidden,
             layers=self.momentum_num_layers, weight_decay=self.weight_decay, t=float(t),
             base_lr=self.base_lr, loss=self._loss, grad_scale=self._coef, skip=self.skipped,
-            scratch=scratch, check_only=check_only, **exec_kwargs(self.device))
+            context=context, scratch=scratch, check_only=check_only, **exec_kwargs(self.device))
 
     def _mlp_proxy_loss(self, loss_value, grad_scale):
         """Spec 9.3 in CMS mode (in AdamW mode every target is zero, so it is 0). No gradient

@@ -4,10 +4,12 @@ CUDA graph, one per kind of step (controller or not; in CMS mode, which levels f
 replayed; in CMS mode a step that trains the DirectUpdateMLP (Phase 1, eager torch ops) runs it
 between two graphs, the statistics and control before it and Phase 2 after. The gradients live
 in static buffers (zero_grad zeroes them in place; a gradient that was reallocated anyway is
-copied in), base_lr reaches the graph through a device tensor, a reload re-captures (B8, B9,
-B10 fixed), and so does a change of a number the calls take from the host (max_grad_norm, the
-weight decay, AdamW's group hyperparameters). Tested on an H100 against eager, AdamW and CMS modes (the two-graph Phase 1 step not
-yet: its logic is tested on the CPU with simulated replays, tests/test_deep_nested_cms.py).
+copied in), base_lr (and for the legacy network's context t) reaches the graph through a device
+tensor, a reload re-captures (B8, B9, B10 fixed), and so does a change of a number the calls
+take from the host (max_grad_norm, the weight decay, AdamW's group hyperparameters). Tested on
+an H100 against eager, AdamW and CMS modes with the DirectUpdateMLP; the two-graph Phase 1 step,
+the legacy network's capture and the re-captures not yet: their logic is tested on the CPU with
+simulated replays (tests/test_deep_nested_cms.py).
 """
 
 import warnings
@@ -33,6 +35,7 @@ class GraphState:
         self.graphs = {}
         self.static_grads = None
         self.base_lr = None
+        self.context = None  # legacy network: (t, base_lr), float64, for its context
         self.captured = False
         self.addresses = None  # see _addresses
         self.host_values = None  # see _host_values
@@ -99,8 +102,6 @@ class GraphState:
             return False
         # the captured control op took base_lr = 1 and checks nothing of the real one
         check_rate_range(check_float("base_lr", opt.base_lr))
-        if opt._cms is not None and not opt.use_preprocessing:
-            return False  # the legacy network's context holds t itself: eager
         if opt._ungrouped_grads():
             return False  # gradients outside the groups, at addresses of their own: eager
         params = [p for g in opt.base_optimizer.param_groups for p in g["params"]]
@@ -116,6 +117,12 @@ class GraphState:
         if self.base_lr is None:
             self.base_lr = torch.empty(1, dtype=torch.float32, device=opt.device)
         self.base_lr.fill_(opt.base_lr)
+        if opt._cms is not None and not opt.use_preprocessing:
+            # the legacy network's context [t / 1000, base_lr, ...] reads both in memory
+            if self.context is None:
+                self.context = torch.empty(2, dtype=torch.float64, device=opt.device)
+            self.context[0].fill_(float(t))
+            self.context[1].fill_(opt.base_lr)
         # One graph per kind of step: controller or not, and (CMS) which levels fire. A step
         # that trains the DirectUpdateMLP (Phase 1: torch ops and torch's Adam, eager) replays
         # two: the statistics and control, whose clip coefficient and skip flag Phase 1 reads,
@@ -177,7 +184,7 @@ class GraphState:
         """The update: CMS Phase 2, or AdamW."""
         opt = self.opt
         if opt._cms is not None:
-            opt._cms_phase2(t)
+            opt._cms_phase2(t, context=self.context)
         else:
             opt.base_optimizer._fused_step(lr=opt._lr, grad_scale=opt._coef, skip=opt.skipped,
                                            zero_grads_on_skip=True)

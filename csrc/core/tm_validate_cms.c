@@ -4,7 +4,7 @@
  * tm_roles.c over a role table of params, grads, the 4K per-level state lists, step_counts,
  * weights and the lone inputs; then what only this op knows: float32 state, step_counts of K
  * elements, every weight's numel against (net, H, L) in torch.nn.Linear's [out, in] layout, the
- * host hyperparameters, lr/grad_scale/skip/loss shapes, group_of, scratch.
+ * host hyperparameters, lr/grad_scale/skip/loss/context shapes, group_of, scratch.
  *
  * Per-level lists are named "momentum[l]", "accumulated[l]", "ema[l]", "v_sq[l]" (by the binding;
  * the ema and v_sq lists may be empty: not kept, see titanmac.h;
@@ -20,7 +20,7 @@
 #include "tm_validate.h"
 
 enum { CMS_PARAMS, CMS_GRADS, CMS_STATE }; /* then 4 K state lists, then the rest below */
-enum { CMS_STEPS, CMS_WEIGHTS, CMS_LR, CMS_GRAD_SCALE, CMS_SKIP, CMS_LOSS, CMS_TAIL };
+enum { CMS_STEPS, CMS_WEIGHTS, CMS_LR, CMS_GRAD_SCALE, CMS_SKIP, CMS_LOSS, CMS_CONTEXT, CMS_TAIL };
 #define CMS_MAX_ROLES (CMS_STATE + 4 * TM_CMS_MAX_LEVELS + CMS_TAIL)
 
 static const char *const cms_state_names[4][TM_CMS_MAX_LEVELS] = {
@@ -83,6 +83,7 @@ build_roles(const tm_cms_tensors *t, const tm_cms_inputs *in, int32_t k, tm_role
     roles[n++] = tm_lone_role(&in->grad_scale, "grad_scale", 0);
     roles[n++] = tm_lone_role(&in->skip, "skip", 0);
     roles[n++] = tm_lone_role(&in->loss, "loss", 0);
+    roles[n++] = tm_lone_role(&in->context, "context", 0);
     return n;
 }
 
@@ -205,6 +206,11 @@ check_cms_inputs(const tm_cms_inputs *in, const tm_cms_args *a, int32_t count)
              "loss: required by the legacy network (its context)");
     if (tm_tensor_given(&in->loss)) {
         TM_TRY(tm_check_f32_numel(&in->loss, "loss", TM_NO_INDEX, 1));
+    }
+    if (tm_tensor_given(&in->context)) {
+        TM_CHECK(in->context.dtype == TM_FLOAT64 && in->context.numel == 2, TM_ERR_VALUE,
+                 "context: expected float64 with 2 elements (t, base_lr), got %s with %lld",
+                 tm_dtype_name(in->context.dtype), (long long)in->context.numel);
     }
     return TM_OK;
 }

@@ -124,14 +124,16 @@ combine(const cms_ctx *x, int64_t first, int64_t nb, int32_t l, int32_t count, d
     cpu_sum_blocks(x->part + first * stride + (int64_t)l * x->parts, stride, nb, count, out);
 }
 
-/* Step C: (a, b, 1 - d) of every firing (tensor, level) from its stats and the context. */
+/* Step C: (a, b, 1 - d) of every firing (tensor, level) from its stats and the context;
+ * context: NULL, or the (t, base_lr) given in memory instead of the arguments'. */
 static void
-legacy_coeffs(const cms_ctx *x, const float *const *w, float loss)
+legacy_coeffs(const cms_ctx *x, const float *const *w, float loss, const double *context)
 {
     float in[TM_CMS_LEGACY_IN];
     float act[2 * TM_CMS_LEGACY_MAX_HIDDEN];
     int64_t first = 0;
-    tm_cms_context(in + 6, x->a->t, x->a->base_lr, loss);
+    tm_cms_context(in + 6, context != NULL ? context[0] : x->a->t,
+                   context != NULL ? context[1] : x->a->base_lr, loss);
     for (int32_t i = 0; i < x->t->params.count; i++) {
         const int64_t numel = x->t->params.tensors[i].numel;
         const int64_t nb = cpu_blocks_of(numel);
@@ -220,7 +222,8 @@ cpu_cms_step(const tm_cms_tensors *t, const tm_cms_args *a, const tm_cms_inputs 
         x.stats_pass = 1;
         cpu_for_each_block(&t->params, exec, cms_segment, &x);
         x.stats_pass = 0;
-        legacy_coeffs(&x, w, *(const float *)in->loss.data);
+        legacy_coeffs(&x, w, *(const float *)in->loss.data,
+                      tm_tensor_given(&in->context) ? in->context.data : NULL);
     }
     x.fn = k->update;
     cpu_for_each_block(&t->params, exec, cms_segment, &x);

@@ -46,6 +46,7 @@ struct cms_params {
     const float *grad_scale; /* [1] or NULL (= 1) */
     const float *skip;       /* [1] or NULL */
     const float *loss;       /* [1]; LEGACY only */
+    const double *context;   /* [2] (t, base_lr) instead of t and base_lr below, or NULL */
     const float *w[2 * TM_CMS_MAX_LAYERS + 3];
     double *parts;           /* scratch records */
     tm_cms_level_out *lv;    /* scratch [count][levels] */

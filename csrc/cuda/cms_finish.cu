@@ -69,7 +69,8 @@ cms_coeffs_kernel(const __grid_constant__ cms_meta meta, const __grid_constant__
     float *act = s_act[threadIdx.x >> 5];
     const float **w = s_w[threadIdx.x >> 5];
     if ((threadIdx.x & 31) == 0) {
-        tm_cms_context(in + 6, p.t, p.base_lr, p.loss[0]);
+        tm_cms_context(in + 6, p.context != NULL ? p.context[0] : p.t,
+                       p.context != NULL ? p.context[1] : p.base_lr, p.loss[0]);
 #pragma unroll
         for (int k = 0; k < 2 * TM_CMS_MAX_LAYERS + 3; k++) {
             w[k] = p.w[k];
@@ -224,6 +225,7 @@ cuda_cms_step(const tm_cms_tensors *t, const tm_cms_args *a, const tm_cms_inputs
     p.grad_scale = (const float *)in->grad_scale.data; /* NULL when not given */
     p.skip = (const float *)in->skip.data;
     p.loss = (const float *)in->loss.data;
+    p.context = (const double *)in->context.data; /* NULL when not given */
     for (int32_t i = 0; i < 2 * TM_CMS_MAX_LAYERS + 3; i++) {
         p.w[i] = i < t->weights.count ? (const float *)t->weights.tensors[i].data : NULL;
     }

@@ -35,7 +35,7 @@ typedef struct {
     double clamp_ratio;                   /* ||m'|| <= ratio * max(||g^||, 1e-8), 100 */
     double weight_decay;                  /* >= 0; u += wd * p when > 0 */
     double t;                             /* the step number (LEGACY context t / 1000) */
-    double base_lr;                       /* LEGACY context */
+    double base_lr;                       /* LEGACY context; both unless in->context given */
     tm_cms_net net;
     int32_t hidden;                       /* H: DIRECT <= 20, LEGACY <= 256 */
     int32_t layers;                       /* L in [1, 8]: Linear+SiLU pairs before the output */
@@ -71,6 +71,9 @@ typedef struct {
                              clipped gradient, rounded to the grad dtype); optional (= 1) */
     tm_tensor skip;       /* float32 [1]; nonzero: the call changes nothing; optional */
     tm_tensor loss;       /* float32 [1]: the LEGACY context's loss; optional for DIRECT */
+    tm_tensor context;    /* float64 [2] (t, base_lr) read in memory instead of args->t and
+                             args->base_lr, so that a CUDA graph's replays see the step's own
+                             (not checked: they are on the device); optional */
 } tm_cms_inputs;
 
 /* Scratch of tm_cms_step: partial sums per (CPU block of 4,096 elements or CUDA slice of 8,192,

@@ -63,9 +63,10 @@ static PyMethodDef module_methods[] = {
     {"cms_step", KW(py_cms_step),
      "cms_step(params, grads, momentum, accumulated, ema, v_sq, step_counts, lr, group_of, "
      "weights, *, fires, divisors, ema_decays, net, hidden, layers, weight_decay, t, base_lr, "
-     "loss, grad_scale=None, skip=None, beta2=0.999, momentum_coef=0.9, clamp_ratio=100.0, "
-     "num_threads=1, stream=None, scratch=None, check_only=False)\n--\n\n"
+     "loss, grad_scale=None, skip=None, context=None, beta2=0.999, momentum_coef=0.9, "
+     "clamp_ratio=100.0, num_threads=1, stream=None, scratch=None, check_only=False)\n--\n\n"
      "Phase 2 of the DeepNestedOptimizer's CMS step over lists of tensors (tm_cms_step); "
+     "context: float64 [2] (t, base_lr) read in memory instead of t and base_lr (CUDA graphs); "
      "check_only: its checks alone (tm_cms_check), nothing written."},
     {"cms_scratch_bytes", KW(py_cms_scratch_bytes),
      "cms_scratch_bytes(params, *, levels, net)\n--\n\nBytes of scratch cms_step needs."},

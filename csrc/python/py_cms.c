@@ -7,8 +7,8 @@
  *
  *   cms_step(params, grads, momentum, accumulated, ema, v_sq, step_counts, lr, group_of, weights,
  *            *, fires, divisors, ema_decays, net, hidden, layers, weight_decay, t, base_lr, loss,
- *            grad_scale=None, skip=None, beta2=0.999, momentum_coef=0.9, clamp_ratio=100.0,
- *            num_threads=1, stream=None, scratch=None)
+ *            grad_scale=None, skip=None, context=None, beta2=0.999, momentum_coef=0.9,
+ *            clamp_ratio=100.0, num_threads=1, stream=None, scratch=None, check_only=False)
  *   cms_scratch_bytes(params, *, levels, net)
  *
  * momentum, accumulated, ema and v_sq are sequences of K lists (level l: one tensor per param);
@@ -147,9 +147,9 @@ cms_required(PyObject *const req[10], tm_cms_args *a)
     return PyErr_Occurred() ? -1 : 0;
 }
 
-/* Every tensor argument: the lists, then lr, loss, grad_scale, skip. */
+/* Every tensor argument: the lists, then lr, loss, grad_scale, skip, context. */
 static int
-import_cms(py_batch *b, PyObject *const o[10], PyObject *const opt[3], tm_cms_tensors *t,
+import_cms(py_batch *b, PyObject *const o[10], PyObject *const opt[4], tm_cms_tensors *t,
            tm_cms_inputs *in, Py_ssize_t *k)
 {
     tm_tensor_list *levels[4] = {t->momentum, t->accumulated, t->ema, t->v_sq};
@@ -167,7 +167,8 @@ import_cms(py_batch *b, PyObject *const o[10], PyObject *const opt[3], tm_cms_te
                    py_import_list(b, o[9], "weights", 0, &t->weights) < 0 ||
                    py_import_optional(b, opt[0], "loss", &in->loss) < 0 ||
                    py_import_optional(b, opt[1], "grad_scale", &in->grad_scale) < 0 ||
-                   py_import_optional(b, opt[2], "skip", &in->skip) < 0
+                   py_import_optional(b, opt[2], "skip", &in->skip) < 0 ||
+                   py_import_optional(b, opt[3], "context", &in->context) < 0
                ? -1
                : 0;
 }
@@ -178,17 +179,18 @@ py_cms_step(PyObject *module, PyObject *args, PyObject *kwargs)
     static char *kwlist[] = {
         "params", "grads", "momentum", "accumulated", "ema", "v_sq", "step_counts", "lr",
         "group_of", "weights", "fires", "divisors", "ema_decays", "net", "hidden", "layers",
-        "weight_decay", "t", "base_lr", "loss", "grad_scale", "skip", "beta2", "momentum_coef",
-        "clamp_ratio", "num_threads", "stream", "scratch", "check_only", NULL};
+        "weight_decay", "t", "base_lr", "loss", "grad_scale", "skip", "context", "beta2",
+        "momentum_coef", "clamp_ratio", "num_threads", "stream", "scratch", "check_only", NULL};
     PyObject *o[10], *req[10] = {NULL}, *grad_scale = Py_None, *skip = Py_None;
+    PyObject *context = Py_None;
     PyObject *stream = Py_None, *scratch = Py_None;
     tm_cms_args a = {.beta2 = 0.999, .momentum_coef = 0.9, .clamp_ratio = 100.0};
     int num_threads = 1, check_only = 0;
     if (!PyArg_ParseTupleAndKeywords(
-            args, kwargs, "OOOOOOOOOO|$OOOOOOOOOOOOdddiOOp:cms_step", kwlist, &o[0], &o[1],
+            args, kwargs, "OOOOOOOOOO|$OOOOOOOOOOOOOdddiOOp:cms_step", kwlist, &o[0], &o[1],
             &o[2], &o[3], &o[4], &o[5], &o[6], &o[7], &o[8], &o[9], &req[0], &req[1], &req[2],
             &req[3], &req[4], &req[5], &req[6], &req[7], &req[8], &req[9], &grad_scale, &skip,
-            &a.beta2, &a.momentum_coef, &a.clamp_ratio, &num_threads, &stream, &scratch,
+            &context, &a.beta2, &a.momentum_coef, &a.clamp_ratio, &num_threads, &stream, &scratch,
             &check_only) ||
         cms_required(req, &a) < 0) {
         return NULL;
@@ -200,7 +202,7 @@ py_cms_step(PyObject *module, PyObject *args, PyObject *kwargs)
     tm_status status = TM_OK;
     int ran = 0;
     Py_ssize_t k = -1;
-    PyObject *const opt[3] = {req[9], grad_scale, skip};
+    PyObject *const opt[4] = {req[9], grad_scale, skip, context};
     memset(&t, 0, sizeof t);
     py_batch_init(&b, py_get_state(module));
     /* the numbers first: their conversions (__bool__, __float__) may run Python code, which
