@@ -14,10 +14,11 @@ NORM_TYPES = [1.0, 2.0, math.inf, 3.0]
 
 
 def _norm_tol(norm_type):
-    """torch accumulates |x|^p in the tensor dtype; for p = 3 its float32 result is off by
-    ~2e-5 relative (ours, reduced in double, matches a float64 reference to ~1e-7, see
-    test_general_p_is_accurate)."""
-    return dict(rtol=1e-4 if norm_type == 3.0 else 1e-5, atol=0)
+    """torch accumulates |x|^p in the tensor dtype; for p other than 1, 2 and inf its float32
+    result is off by up to ~2e-5 relative (p = 3; p = 1.5: 1.4e-5 with one thread, whose
+    accumulation order differs), where ours, reduced in double, matches a float64 reference to
+    ~1e-7 (test_general_p_is_accurate)."""
+    return dict(rtol=1e-5 if float(norm_type) in (1.0, 2.0, math.inf) else 1e-4, atol=0)
 
 
 def _pair(device, dtype=torch.float32, scale=1.0, step=0):
@@ -175,14 +176,15 @@ def test_norm_type_given_as_a_string_like_torch(norm_type):
     params_a, params_b = _pair("cpu")
     ours = titanmac_c.clip_grad_norm_(params_a, 0.5, norm_type)
     theirs = torch.nn.utils.clip_grad_norm_(params_b, 0.5, norm_type)
-    torch.testing.assert_close(ours, theirs, **_norm_tol(1.5))
+    torch.testing.assert_close(ours, theirs, **_norm_tol(norm_type))
     _assert_grads(params_a, params_b)
     grads = [p.grad for p in params_a]
+    tol = _norm_tol(norm_type)
     torch.testing.assert_close(titanmac_c.get_total_norm(grads, norm_type),
-                               torch.nn.utils.get_total_norm(grads, norm_type), **_norm_tol(1.5))
+                               torch.nn.utils.get_total_norm(grads, norm_type), **tol)
     opt = titanmac_c.AdamW(params_a)
     torch.testing.assert_close(opt.clip_grad_norm_(0.5, norm_type),
-                               torch.nn.utils.get_total_norm(grads, norm_type), **_norm_tol(1.5))
+                               torch.nn.utils.get_total_norm(grads, norm_type), **tol)
 
 
 @pytest.mark.parametrize("max_norm", ["0.5", "inf"])
