@@ -63,7 +63,7 @@ step() {  # step NAME COMMAND...: run, log to $OUT/NAME.log, remember pass/fail 
     "${limit[@]}" "$@" 2>&1 | tee "$OUT/$name.log"
     case ${PIPESTATUS[0]} in
         0) RESULT[$name]=pass ;;
-        124) RESULT[$name]=timeout ;;
+        124|137) RESULT[$name]=timeout ;;  # 137: killed 10 s after the TERM
         *) RESULT[$name]=FAIL ;;
     esac
     TOOK[$name]=$((SECONDS - start))

@@ -620,3 +620,69 @@ def test_graph_replays_see_the_numbers_of_their_step(monkeypatch, mode):
     assert opts[1]._graph.captured
     # each change captured the kinds of step again (one capture a kind, else)
     assert len(captures) > len(set(captures)), captures
+
+
+def test_graph_mode_binds_the_gradients_of_the_parameters_it_steps(monkeypatch):
+    """The graphs read each parameter's gradient from a static buffer that step() makes its
+    .grad. AdamW mode over the CPU with simulated replays, against eager after every step: at
+    step 3 (the first graph step) a parameter has no gradient (eager step; the next graph step
+    binds the buffers: one bound as None made the next step fail), at step 6 a frozen model
+    parameter is unfrozen and appended to a group (its gradient was left out of the buffers,
+    which were paired with the parameters by zip), at step 10 it is taken out again (the
+    buffers then paired with the wrong parameters, and every later step ran eagerly). After
+    every graph step each grouped parameter's .grad is its buffer, and steps 4-14 were replayed
+    (6 and 10 captured anew, on the new buffers)."""
+    from titanmac_c._dno_graph import GraphState
+
+    replayed, now = [], [0]
+
+    def replay(self, key, calls):
+        kept = self.graphs.setdefault(key, calls)
+        self.captured = True
+        replayed.append(now[0])
+        kept()
+
+    monkeypatch.setattr(GraphState, "_replay", replay)
+    batches = synthetic_batches("mlp", 14, seed=21)
+    runs = []
+    for graph in (False, True):
+        model = make_mlp_10_32_5()
+        model.extra = torch.nn.Parameter(torch.linspace(-1.0, 1.0, 5), requires_grad=False)
+        torch.manual_seed(0)
+        opt = titanmac_c.DeepNestedOptimizer(model, weight_decay=0.01, max_grad_norm=1.0,
+                                             cuda_graph_warmup_steps=2)
+        if graph:
+            opt._graph = GraphState(opt)
+        runs.append((model, opt))
+    first = None
+    for step, batch in enumerate(batches, 1):
+        now[0] = step
+        for model, opt in runs:
+            group = opt.base_optimizer.param_groups[0]["params"]
+            if step == 6:
+                model.extra.requires_grad_(True)
+                group.append(model.extra)
+            if step == 10:
+                del group[-1]
+                model.extra.requires_grad_(False)
+                model.extra.grad = None
+            opt.zero_grad(set_to_none=opt._graph is None)
+            loss = loss_fn(model, batch)
+            if model.extra.requires_grad:
+                loss = loss + (model.extra * model.extra).sum() * 0.1
+            loss.backward()
+            if step == 3:
+                first = group[0]
+                first.grad = None
+            opt.step(loss.detach())
+            if opt._graph is not None and replayed and replayed[-1] == step:
+                grouped = [p for g in opt.base_optimizer.param_groups for p in g["params"]]
+                assert len(opt._graph.static_grads) == len(grouped), step
+                for p, buf in zip(grouped, opt._graph.static_grads):
+                    assert p.grad is buf, f"step {step}: a .grad that is not its buffer"
+        (model_e, eager), (model_g, graphed) = runs
+        for (name, pe), pg in zip(model_e.named_parameters(), model_g.parameters()):
+            torch.testing.assert_close(pg, pe, rtol=1e-6, atol=1e-8,
+                                       msg=lambda m: f"step {step}: {name}: {m}")
+    assert first is not None
+    assert sorted(set(replayed)) == list(range(4, 15)), replayed

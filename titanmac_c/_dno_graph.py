@@ -12,6 +12,7 @@ the legacy network's capture and the re-captures not yet: their logic is tested 
 simulated replays (tests/test_deep_nested_cms.py).
 """
 
+import operator
 import warnings
 
 import torch
@@ -34,6 +35,7 @@ class GraphState:
         self.opt = opt
         self.graphs = {}
         self.static_grads = None
+        self.bound_params = []  # the parameters static_grads belong to, in order
         self.base_lr = None
         self.context = None  # legacy network: (t, base_lr), float64, for its context
         self.captured = False
@@ -51,6 +53,7 @@ class GraphState:
     def reset(self):
         self.graphs = {}
         self.static_grads = None
+        self.bound_params = []
         self.captured = False
         self.addresses = None
         self.host_values = None
@@ -80,14 +83,24 @@ class GraphState:
             read = opt.base_optimizer._hparams.of_group
             update = tuple((read(gi, g), bool(g.get("amsgrad", False)))
                            for gi, g in enumerate(opt.base_optimizer.param_groups))
-        return (opt.max_grad_norm, update)
+        # float(): a 0-d tensor assigned and then changed in place would compare equal to itself
+        return (float(opt.max_grad_norm), float(opt.weight_decay), update)
 
     def _bind_grads(self, params):
-        """Make every parameter's .grad the static buffer the graphs read. False when the set of
-        parameters with gradients changed (then this step runs eagerly)."""
-        if self.static_grads is None:
+        """Make every parameter's .grad the static buffer the graphs read. False when a
+        parameter has no gradient, or one of another shape than its buffer (then this step runs
+        eagerly). The gradients as they are become the buffers, and the graphs are captured
+        again (they read the old ones), on the first call and when the parameters changed (one
+        appended to a group or taken out)."""
+        bound = self.bound_params
+        if (self.static_grads is None or len(bound) != len(params)
+                or not all(map(operator.is_, bound, params))):
+            if any(p.grad is None for p in params):
+                return False
+            self.bound_params = list(params)
             self.static_grads = [p.grad for p in params]
-            return all(g is not None for g in self.static_grads)
+            self.graphs = {}
+            return True
         for p, buf in zip(params, self.static_grads):
             if p.grad is None or p.grad.shape != buf.shape:
                 return False

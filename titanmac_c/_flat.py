@@ -157,18 +157,19 @@ class Batch:
                                    "elements on one memory location) and cannot be unscaled "
                                    "in place")
 
-    def refuse_listed_twice(self):
-        """One Parameter listed twice in a group (torch's AdamW warns at construction
-        and steps it twice): its one state would be written twice by one call, which the C core
-        refuses as memory shared between written tensors. Called on that refusal, to say what
-        the user did instead."""
+    def listed_twice(self):
+        """The message for one Parameter listed twice in a group (torch's AdamW warns at
+        construction and steps it twice), else None: its one state would be written twice by one
+        call, which the C core refuses as memory shared between written tensors. Asked on that
+        refusal, to say what the user did instead."""
         first = {}
         for i, p in enumerate(self.owners):
             j = first.setdefault(id(p), i)
             if j != i:
-                raise ValueError(f"{self.names[i]}: the same Parameter as {self.names[j]}, listed "
-                                 "twice in the optimizer (torch's AdamW steps it twice per step; "
-                                 "titanmac_c.AdamW refuses it: list each parameter once)")
+                return (f"{self.names[i]}: the same Parameter as {self.names[j]}, listed twice in "
+                        "the optimizer (torch's AdamW steps it twice per step; titanmac_c.AdamW "
+                        "refuses it: list each parameter once)")
+        return None
 
     def precheck(self, grads_written=False):
         """With several C calls per step, a failure in a later call must not follow a completed
@@ -196,7 +197,9 @@ class Batch:
         for span in spans:
             other = reach if span[2] else reach_written
             if other is not None and span[0] < other[1]:
-                self.refuse_listed_twice()
+                twice = self.listed_twice()
+                if twice is not None:
+                    raise ValueError(twice)
                 raise ValueError(f"{self.names[span[4]]}: its {span[3]} shares memory with the "
                                  f"{other[3]} of {self.names[other[4]]}")
             if reach is None or span[1] > reach[1]:

@@ -389,8 +389,9 @@ class AdamW(Optimizer):
                           grad_scale=grad_scale, skip=skip, scratch=scratch,
                           zero_grads_on_skip=zero_grads_on_skip, loss_scale=loss_scale, **kwargs)
         except (ValueError, TypeError, BufferError) as exc:
-            if "shares memory" in str(exc):
-                batch.refuse_listed_twice()
+            twice = batch.listed_twice() if "shares memory" in str(exc) else None
+            if twice is not None:
+                raise ValueError(twice) from None
             group_names = [f"param_groups[{i}]" for i in range(len(groups))]
             reraise_with_names(exc, batch.names, group_names)
         if loss_scale is not None:

@@ -65,6 +65,7 @@ typedef struct {
     tm_tensor_list weights;
 } tm_cms_tensors;
 
+/* Zero-initialise it: a tensor left zeroed is one not given (tm_tensor_given). */
 typedef struct {
     tm_tensor lr;         /* float32 [G]: base_lr * mu_g */
     tm_tensor grad_scale; /* float32 [1], the clip coefficient (the reference accumulates the
