@@ -33,14 +33,9 @@ class GraphState:
 
     def __init__(self, opt):
         self.opt = opt
-        self.graphs = {}
-        self.static_grads = None
-        self.bound_params = []  # the parameters static_grads belong to, in order
         self.base_lr = None
         self.context = None  # legacy network: (t, base_lr), float64, for its context
-        self.captured = False
-        self.addresses = None  # see _addresses
-        self.host_values = None  # see _host_values
+        self.reset()
 
     def supported(self):
         if self.opt.device.type != "cuda" or not _C.cuda_compiled():
@@ -51,12 +46,13 @@ class GraphState:
         return True
 
     def reset(self):
+        """No graph: the next graph step binds the gradients and captures anew."""
         self.graphs = {}
         self.static_grads = None
-        self.bound_params = []
+        self.bound_params = []  # the parameters static_grads belong to, in order
         self.captured = False
-        self.addresses = None
-        self.host_values = None
+        self.addresses = None  # see _addresses
+        self.host_values = None  # see _host_values
 
     def _addresses(self, params):
         """The memory the captured calls read and write besides the static gradients and the
@@ -77,14 +73,14 @@ class GraphState:
         capture (a weight decay schedule, a new max_grad_norm) captures the graphs again: the
         replays would go on with the old value."""
         opt = self.opt
+        # float(): a 0-d tensor assigned and then changed in place would compare equal to itself
         if opt._cms is not None:
-            update = opt.weight_decay
-        else:
+            update = float(opt.weight_decay)
+        else:  # the groups' (opt.weight_decay is the AdamW step's default only at construction)
             read = opt.base_optimizer._hparams.of_group
             update = tuple((read(gi, g), bool(g.get("amsgrad", False)))
                            for gi, g in enumerate(opt.base_optimizer.param_groups))
-        # float(): a 0-d tensor assigned and then changed in place would compare equal to itself
-        return (float(opt.max_grad_norm), float(opt.weight_decay), update)
+        return float(opt.max_grad_norm), update
 
     def _bind_grads(self, params):
         """Make every parameter's .grad the static buffer the graphs read. False when a
