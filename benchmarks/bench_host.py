@@ -28,7 +28,7 @@ sys.path[:0] = [HERE, os.path.join(HERE, "..", "tests")]
 import titanmac_c  # noqa: E402
 from bench_step import enqueue_seconds  # noqa: E402
 from dno_models import make_titanmac_like_model  # noqa: E402
-from titanmac_c._reference_dno import ReferenceDeepNestedOptimizer  # noqa: E402
+from titanmac_c.testing.reference_dno import ReferenceDeepNestedOptimizer  # noqa: E402
 
 
 def _median_us(fn, device, steps, warmup=50):

@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from dno_models import loss_fn, make_titanmac_like_model, synthetic_batches  # noqa: E402
 
 import titanmac_c  # noqa: E402
-from titanmac_c._reference_dno import ReferenceDeepNestedOptimizer  # noqa: E402
+from titanmac_c.testing.reference_dno import ReferenceDeepNestedOptimizer  # noqa: E402
 from bench_train import OPT_KW  # noqa: E402
 
 

@@ -1,5 +1,5 @@
 """Train the TitanMAC-like model (3.2M parameters in 48 tensors) with the pure-PyTorch reference
-DeepNestedOptimizer (titanmac_c._reference_dno: a faithful stand-in for the upstream optimizer,
+DeepNestedOptimizer (titanmac_c.testing.reference_dno: a faithful stand-in for the upstream optimizer,
 host syncs included) and with titanmac_c.DeepNestedOptimizer, and report per implementation:
 steps per second, optimizer time per step (median, and mean: in CMS mode every 5th step also
 trains the momentum MLP (Phase 1: torch autograd in the reference; in ours the C core on the CPU,
@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 from dno_models import loss_fn, make_titanmac_like_model, synthetic_batches  # noqa: E402
 
 import titanmac_c  # noqa: E402
-from titanmac_c._reference_dno import ReferenceDeepNestedOptimizer  # noqa: E402
+from titanmac_c.testing.reference_dno import ReferenceDeepNestedOptimizer  # noqa: E402
 
 OPT_KW = dict(base_lr=3e-4, weight_decay=0.01, max_grad_norm=1.0, mode="simple",
               meta_update_freq=100, controller_update_freq=1)

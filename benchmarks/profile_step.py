@@ -1,7 +1,7 @@
 """Profile training steps with the pure-PyTorch reference DeepNestedOptimizer and with titanmac_c,
 and print the tables of TitanMAC's profiling reports side by side.
 
-For each model size and implementation (reference = titanmac_c._reference_dno, the stand-in for
+For each model size and implementation (reference = titanmac_c.testing.reference_dno, the stand-in for
 the upstream optimizer, given loss.item() as the upstream scripts do; titanmac_c given the loss
 tensor), on the same model, options (bench_train.OPT_KW) and batches as benchmarks/bench_train.py:
 
@@ -11,7 +11,7 @@ tensor), on the same model, options (bench_train.OPT_KW) and batches as benchmar
   3. --profile-steps steps under torch.profiler (CPU activity, plus CUDA on a GPU; memory on),
      from which come
        - the parts of a step: train/forward, train/backward, train/optimizer and, inside the
-         optimizer, the titanmac/* ranges (titanmac_c._profiling names: stats, controller, clip,
+         optimizer, the titanmac/* ranges (titanmac_c._internal.profiling names: stats, controller, clip,
          update, cms, meta; the reference's methods are wrapped here to emit the same names);
        - top operations by device time (CUDA only) and by host time (self time);
        - kernel launches per step (CUDA), host syncs per step (CUDA: sync-debug-mode warnings in
@@ -61,9 +61,9 @@ from bench_train import OPT_KW  # noqa: E402
 from dno_models import loss_fn, make_titanmac_like_model, synthetic_batches  # noqa: E402
 
 import titanmac_c  # noqa: E402
-from titanmac_c import _profiling as P  # noqa: E402
-from titanmac_c import _reference_dno  # noqa: E402
-from titanmac_c._reference_dno import ReferenceDeepNestedOptimizer  # noqa: E402
+from titanmac_c._internal import profiling as P  # noqa: E402
+from titanmac_c.testing import reference_dno as _reference_dno  # noqa: E402
+from titanmac_c.testing.reference_dno import ReferenceDeepNestedOptimizer  # noqa: E402
 
 IMPLS = ("reference", "titanmac_c")
 TRAIN_PARTS = ("train/zero_grad", "train/forward", "train/backward", "train/optimizer")
@@ -137,11 +137,12 @@ def annotate_titanmac_c(opt):
 
 
 def emits_ranges():
-    """True when titanmac_c's own modules use titanmac_c._profiling (then its steps record the
-    titanmac/* ranges themselves and nothing is wrapped here). Decided without running a step,
+    """True when titanmac_c's own modules use titanmac_c._internal.profiling (then its steps
+    record the titanmac/* ranges themselves and nothing is wrapped here). Decided without running a step,
     so both implementations train on exactly the same batches."""
-    from titanmac_c import deep_nested, optim
-    for module in (deep_nested, optim):
+    from titanmac_c.deep_nested import optimizer
+    from titanmac_c.optim import adamw
+    for module in (optimizer, adamw):
         if any(v is P or v is P.step_range or v is P.annotate for v in vars(module).values()):
             return True
     return False

@@ -30,7 +30,7 @@ download), or --text FILE for your own (a plain text file; characters are the to
     python benchmarks/train_lm.py --text my.txt --d-model 384 --layers 6 --save lm.pt
 
 To compare with the pure-PyTorch stand-in of TitanMAC's optimizer, --optimizer reference swaps in
-titanmac_c._reference_dno.ReferenceDeepNestedOptimizer (it needs a float loss: one host sync per
+titanmac_c.testing.reference_dno.ReferenceDeepNestedOptimizer (it needs a float loss: one host sync per
 step, which is what the titanmac_c version removes).
 """
 
@@ -288,7 +288,7 @@ def build_optimizer(kind, model, args):
     kw = dict(base_lr=args.lr, weight_decay=args.weight_decay, max_grad_norm=args.clip,
               mode="simple", meta_update_freq=args.meta_every)
     if kind == "reference":
-        from titanmac_c._reference_dno import ReferenceDeepNestedOptimizer
+        from titanmac_c.testing.reference_dno import ReferenceDeepNestedOptimizer
         return ReferenceDeepNestedOptimizer(model, **kw)
     return DeepNestedOptimizer(model, **kw)
 

@@ -13,7 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import titanmac_c
-from titanmac_c._reference_dno import ReferenceDeepNestedOptimizer
+from titanmac_c.testing.reference_dno import ReferenceDeepNestedOptimizer
 
 CUDA = titanmac_c.cuda_available()
 

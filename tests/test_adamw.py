@@ -284,7 +284,7 @@ def _pair_in_steady_state(sizes, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_steps_follow_changes_to_groups_and_state(device):
-    """step() keeps its flat lists between steps (titanmac_c._flat.Plan) and re-reads the
+    """step() keeps its flat lists between steps (titanmac_c.optim.batching.Plan) and re-reads the
     gradients and state tensors; a parameter replaced inside a group list, a new group, a missing
     gradient, a reloaded state and a clip must each take effect exactly as in torch."""
     params_a, params_b, ours, theirs = _pair_in_steady_state([10, 20, 30], device)

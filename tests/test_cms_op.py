@@ -26,7 +26,7 @@ import torch
 
 from conftest import CUDA, DEVICES
 from titanmac_c import _C
-from titanmac_c import _reference_dno as R
+from titanmac_c.testing import reference_dno as R
 
 SIZES = [1, 3, 4097, (33, 65), 65537]  # the 2-D tensor lands in the reference's 'core' group
 LRS = [1e-2 * 1.3, 1e-2 * 0.7]  # base_lr * mu per group (Python floats, as _cms_step has them)

@@ -22,8 +22,8 @@ import torch
 
 from conftest import DEVICES, RecordHostReads
 from titanmac_c import _C
-from titanmac_c._surrogate import SurrogatePlan, surrogate_gradient
-from titanmac_c._reference_dno import (DirectUpdateMLP, compute_surrogate_loss,
+from titanmac_c.deep_nested.surrogate import SurrogatePlan, surrogate_gradient
+from titanmac_c.testing.reference_dno import (DirectUpdateMLP, compute_surrogate_loss,
                                        preprocess_gradient)
 
 GRAD_RTOL = 1e-6

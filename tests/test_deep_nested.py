@@ -1,4 +1,4 @@
-"""titanmac_c.DeepNestedOptimizer against the pure-PyTorch reference (titanmac_c._reference_dno),
+"""titanmac_c.DeepNestedOptimizer against the pure-PyTorch reference (titanmac_c.testing.reference_dno),
 step by step: losses, multipliers, parameters and AdamW state at every step, including steps with
 an injected NaN loss and an injected Inf gradient.
 
@@ -24,7 +24,7 @@ from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                    register_optimizer_step_pre_hook)
 
 import titanmac_c
-from titanmac_c._reference_dno import ReferenceDeepNestedOptimizer
+from titanmac_c.testing.reference_dno import ReferenceDeepNestedOptimizer
 from conftest import (DEVICES, checkpoint_roundtrip, reference_and_ours,
                       sync_adamw_from_reference)
 from dno_models import loss_fn, make_mlp_10_32_5, make_titanmac_like_model, synthetic_batches

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import titanmac_c
-from titanmac_c._reference_dno import ReferenceDeepNestedOptimizer
+from titanmac_c.testing.reference_dno import ReferenceDeepNestedOptimizer
 from conftest import assert_same_state, checkpoint_roundtrip, reference_and_ours
 from dno_models import MODE_IDS, MODES, loss_fn, make_mlp_10_32_5, step_all, synthetic_batches
 
@@ -80,7 +80,7 @@ def test_cms_state_assigned_as_on_the_reference():
     ContinuumMemoryState for optimizer.state[p] (a reset), a tensor for a level's momentum. Both
     reach the live state and the runs go on alike (the legacy network: no resync needed);
     assignments the state cannot take raise, nothing written."""
-    from titanmac_c._reference_dno import ContinuumMemoryState
+    from titanmac_c.testing.reference_dno import ContinuumMemoryState
 
     kw = dict(use_cms_updates=True, use_preprocessing=False, cms_frequencies=[1, 3, 9])
     torch.manual_seed(0)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import titanmac_c
-from titanmac_c._reference_dno import ReferenceDeepNestedOptimizer
+from titanmac_c.testing.reference_dno import ReferenceDeepNestedOptimizer
 from cms_checks import NAN_GRAD_STEP, cms_pair, cms_step, compare_cms
 from conftest import (DEVICES, STATE_NMSE, RecordHostReads, checkpoint_roundtrip,
                       sync_cms_from_reference)
@@ -479,7 +479,7 @@ def test_graph_mode_step_logic_with_simulated_replays(monkeypatch, fixes):
     gradients zeroed in place, base_lr through a tensor and a NaN loss on a Phase 1 step,
     against eager steps. Not covered: what only a real capture does (memory fixed at capture,
     Python side effects of the calls happening once)."""
-    from titanmac_c._dno_graph import GraphState
+    from titanmac_c.deep_nested.graph import GraphState
 
     replayed = []
 
@@ -548,7 +548,7 @@ def test_graph_replays_see_the_numbers_of_their_step(monkeypatch, mode):
     capture's values of all but base_lr (the graphs were captured again only for new
     addresses); the legacy network's context [t / 1000, base_lr, ...] now reads t and base_lr
     from a device tensor (it ran eagerly before, its t being the capture's)."""
-    from titanmac_c._dno_graph import GraphState
+    from titanmac_c.deep_nested.graph import GraphState
 
     captures = []
 
@@ -632,7 +632,7 @@ def test_graph_mode_binds_the_gradients_of_the_parameters_it_steps(monkeypatch):
     buffers then paired with the wrong parameters, and every later step ran eagerly). After
     every graph step each grouped parameter's .grad is its buffer, and steps 4-14 were replayed
     (6 and 10 captured anew, on the new buffers)."""
-    from titanmac_c._dno_graph import GraphState
+    from titanmac_c.deep_nested.graph import GraphState
 
     replayed, now = [], [0]
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import titanmac_c
-from titanmac_c._reference_dno import ReferenceDeepNestedOptimizer
+from titanmac_c.testing.reference_dno import ReferenceDeepNestedOptimizer
 from conftest import (DEVICES, assert_same_state, checkpoint_roundtrip, child_env,
                       reference_and_ours)
 from dno_models import (MODE_IDS, MODES, PartlyFrozen, fixed_grads, loss_fn, make_mlp_10_32_5,

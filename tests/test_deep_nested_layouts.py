@@ -341,7 +341,7 @@ def test_graph_mode_moves_relaid_out_state_before_a_capture(monkeypatch, cms):
     tests/test_deep_nested_cms.py): a parameter made column-major after the first capture has
     its state moved into its layout before the re-capture, not inside it (a copy captured would
     be replayed every step, from the old buffer); the run follows eager's."""
-    from titanmac_c._dno_graph import GraphState
+    from titanmac_c.deep_nested.graph import GraphState
 
     replaced_in_capture = []
 

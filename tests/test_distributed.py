@@ -500,7 +500,7 @@ def scenario_ddp_deep_nested(rank):
     from torch.nn.parallel import DistributedDataParallel
 
     from dno_models import loss_fn, make_mlp_10_32_5, synthetic_batches
-    from titanmac_c._reference_dno import ReferenceDeepNestedOptimizer
+    from titanmac_c.testing.reference_dno import ReferenceDeepNestedOptimizer
 
     out = {}
     for cms in (False, True):

@@ -1,4 +1,4 @@
-"""The user-facing scripts of benchmarks/ and the profiling ranges (titanmac_c._profiling):
+"""The user-facing scripts of benchmarks/ and the profiling ranges (titanmac_c._internal.profiling):
 
 * train_lm.py, the copyable training example, trains to a lower loss on the CPU (plain, bf16 with
   gradient accumulation), accumulates gradients correctly, and follows the fp16 GradScaler flow
@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import titanmac_c
-from titanmac_c import _profiling
+from titanmac_c._internal import profiling as _profiling
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "benchmarks")

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import titanmac_c
-from titanmac_c._cms_state import level_frequencies
-from titanmac_c._reference_dno import (
+from titanmac_c.deep_nested.cms_state import level_frequencies
+from titanmac_c.testing.reference_dno import (
     CMS_EMA_BASE,
     ReferenceDeepNestedOptimizer,
     compute_surrogate_loss,

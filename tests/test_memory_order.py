@@ -21,7 +21,7 @@ import torch
 import titanmac_c
 from conftest import DEVICES
 from titanmac_c import _C
-from titanmac_c._runtime import dense_order
+from titanmac_c._internal.runtime import dense_order
 
 K = 3  # CMS levels
 H = 4  # MLP width

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import titanmac_c
-from titanmac_c import _C, _reference
+from titanmac_c import _C
+from titanmac_c.testing import reference as _reference
 from conftest import DEVICES, SIZES
 
 

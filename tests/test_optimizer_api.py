@@ -482,12 +482,12 @@ def test_a_keyboard_interrupt_after_the_first_steps_write_keeps_the_state(device
     params_b = clone_params(params_a)
     ours = titanmac_c.AdamW(params_a, lr=1e-2, weight_decay=0.01)
     theirs = torch.optim.AdamW(params_b, lr=1e-2, weight_decay=0.01)
-    real = titanmac_c.optim.mark_written
+    real = titanmac_c.optim.adamw.mark_written
 
     def interrupted(*lists):
-        monkeypatch.setattr(titanmac_c.optim, "mark_written", real)
+        monkeypatch.setattr(titanmac_c.optim.adamw, "mark_written", real)
         raise KeyboardInterrupt
-    monkeypatch.setattr(titanmac_c.optim, "mark_written", interrupted)
+    monkeypatch.setattr(titanmac_c.optim.adamw, "mark_written", interrupted)
     for step in range(3):
         set_grads(params_a, params_b, step)
         if step == 0:

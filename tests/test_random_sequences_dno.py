@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import titanmac_c
-from titanmac_c._reference_dno import ReferenceDeepNestedOptimizer
+from titanmac_c.testing.reference_dno import ReferenceDeepNestedOptimizer
 from conftest import (checkpoint_roundtrip, reference_and_ours, sync_adamw_from_reference,
                       sync_cms_from_reference)
 from dno_models import loss_fn, make_mlp_10_32_5, synthetic_batches

@@ -8,11 +8,11 @@ import numbers
 
 import torch
 
-from . import _C
-from ._cms_state import level_frequencies
-from ._distributed import is_dtensor
-from ._runtime import COMPLEX_DTYPES, SUPPORTED_DTYPES, as_number, dense_order
-from ._reference_dno import MAX_LR_MULT
+from .. import _C
+from .cms_state import level_frequencies
+from .._internal.distributed import is_dtensor
+from .._internal.runtime import COMPLEX_DTYPES, SUPPORTED_DTYPES, as_number, dense_order
+from .nets import MAX_LR_MULT
 
 # the CMS update's parameter dtypes (its buffers and update are float32, as the reference's, for
 # every model); AdamW mode takes what titanmac_c.AdamW takes: complex too. A complex model fails

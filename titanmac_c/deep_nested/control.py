@@ -8,11 +8,11 @@ import re
 
 import torch
 
-from . import _C
-from ._flat import groups_snapshot, same_groups
-from ._reference_dno import EMA_LOSS_BETA, MAX_LR_MULT, MIN_LR_MULT, N_GROUPS
-from ._runtime import call_dense, exec_kwargs, norms_scratch, reraise_with_names
-from .functional import _real_views
+from .. import _C
+from ..optim.batching import groups_snapshot, same_groups
+from .nets import EMA_LOSS_BETA, MAX_LR_MULT, MIN_LR_MULT, N_GROUPS
+from .._internal.runtime import call_dense, exec_kwargs, norms_scratch, reraise_with_names
+from .._internal.norm_calls import real_views
 
 # a C-core message about the network weights' list (after TITANMAC_DEBUG's "file.c:line: ")
 _WEIGHTS_FIRST = re.compile(r"([\w.]+:\d+: )?weights\[\d+\]")
@@ -32,7 +32,7 @@ def call_norms(run, *lists):
     try:
         return call_dense(run, *lists, read_only=True)
     except BufferError:
-        real = [ts if ts is None else _real_views("tensors", ts, 2.0) for ts in lists]
+        real = [ts if ts is None else real_views("tensors", ts, 2.0) for ts in lists]
         if all(r is ts for r, ts in zip(real, lists)):
             raise
         return call_dense(run, *real, read_only=True)

@@ -14,9 +14,8 @@ continues as if they held its values.
 
 import torch
 
-from ._flat import in_layout_of
-from ._reference_dno import CMS_BETA2
-from ._runtime import is_one_number
+from .nets import CMS_BETA2
+from .._internal.runtime import in_layout_of, is_one_number
 
 CMS_BUFFERS = ("momentum", "accumulated_grad", "ema_grad", "v_sq")
 _FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # where the fire counts are kept

@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from ._reference_dno import PREPROCESS_P
+from .nets import PREPROCESS_P
 
 # Chunks of 2^20 elements, or as many as the largest tensor up to 2^22: each chunk costs ~150
 # ops, and pass 2 holds ~0.6 KB an element at width 20 and depth 2 (per hidden layer the

@@ -11,7 +11,8 @@ import math
 
 import torch
 
-from .functional import GroupNorms, _compute_dtype
+from .._internal.norm_calls import compute_dtype_of
+from ..functional import GroupNorms
 
 
 def _reduce(t: torch.Tensor, p: float) -> torch.Tensor:
@@ -45,7 +46,7 @@ def norms(grads, params=None, group_of=None, num_groups=1, norm_type=2.0) -> Gro
     """Per-group and total p-norms of grads (and params), and whether any grad is non-finite;
     float32, float64 when a tensor is float64."""
     group_of = group_of if group_of is not None else [0] * len(grads)
-    dtype = _compute_dtype(list(grads) + list(params or []))  # float64 when a tensor is
+    dtype = compute_dtype_of(list(grads) + list(params or []))  # float64 when a tensor is
     per_group_g = [[] for _ in range(num_groups)]
     per_group_p = [[] for _ in range(num_groups)]
     for i, g in enumerate(grads):
@@ -69,13 +70,13 @@ def norms(grads, params=None, group_of=None, num_groups=1, norm_type=2.0) -> Gro
 def clip_coef(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     """torch.nn.utils.clip_grad_norm_'s coefficient: min(1, max_norm / (total_norm + 1e-6)), in
     float32, or in float64 for a float64 norm."""
-    return torch.clamp(max_norm / (total_norm.to(_compute_dtype([total_norm])) + 1e-6), max=1.0)
+    return torch.clamp(max_norm / (total_norm.to(compute_dtype_of([total_norm])) + 1e-6), max=1.0)
 
 
 def scale_(tensors, scale: torch.Tensor) -> None:
     """t *= scale: a float64 tensor in double, the others by the scale cast to float32."""
     for t in tensors:
-        dtype = _compute_dtype([t])
+        dtype = compute_dtype_of([t])
         t.copy_((t.to(dtype) * scale.to(dtype)).to(t.dtype))
 
 
@@ -93,7 +94,7 @@ def adamw_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr,
         k = group_of[i] if group_of is not None else 0
         beta1, beta2, eps, weight_decay, maximize = groups[k]
         lr_k = float(lr[k])
-        dtype = _compute_dtype([p])
+        dtype = compute_dtype_of([p])
         grad = grads[i].to(dtype)
         if grad_scale is not None:
             grad = grad * grad_scale.to(dtype)

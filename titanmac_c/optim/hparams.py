@@ -7,7 +7,7 @@ import math
 import torch
 from torch import Tensor
 
-from ._runtime import as_number, float_in_range
+from .._internal.runtime import as_number, float_in_range
 
 # values that cannot change in place: a group holding only these, as at its last check, needs no
 # new check (a tensor, or a 0-d numpy array, may have changed under the same object)

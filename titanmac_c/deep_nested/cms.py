@@ -9,10 +9,9 @@ import math
 
 import torch
 
-from . import _C
-from ._cms_state import CMS_BUFFERS
-from ._flat import in_layout_of
-from ._reference_dno import (
+from .. import _C
+from .cms_state import CMS_BUFFERS
+from .nets import (
     DIRECT_MLP_MAX_HIDDEN,
     EMA_TARGET_MIN,
     IMPROVEMENT_THRESHOLD,
@@ -22,11 +21,11 @@ from ._reference_dno import (
     PROXY_WARMUP_ENTRIES,
     STAGNATION_CONSTANT,
     SURROGATE_MAX_TENSORS,
-    _fused_clip_grad_norm_,
-    _tensor_stats,
+    fused_clip_grad_norm_,
+    tensor_stats,
 )
-from ._runtime import before_write, dense_order, exec_kwargs, mark_written
-from ._surrogate import SurrogatePlan, surrogate_gradient
+from .._internal.runtime import before_write, dense_order, exec_kwargs, in_layout_of, mark_written
+from .surrogate import SurrogatePlan, surrogate_gradient
 
 PHASE1_PLANS_KEPT = 4  # Phase 1 layouts whose SurrogatePlan is kept (CUDA's way)
 
@@ -120,7 +119,7 @@ class CMSModeMixin:
         self.mlp_optimizer.zero_grad()
         total = self._phase1_gradient(selected)
         # The reference's clip (torch ops, no host sync) and Adam step.
-        _fused_clip_grad_norm_(self.momentum_mlp.parameters(), META_GRAD_CLIP, inplace=True)
+        fused_clip_grad_norm_(self.momentum_mlp.parameters(), META_GRAD_CLIP, inplace=True)
         self.mlp_optimizer.step()
         self._last_surrogate_loss = total.detach()
 
@@ -320,7 +319,7 @@ class CMSModeMixin:
             else:
                 a, b, _ = self.momentum_mlp(grad, m0, context)
                 pred = a * m0 + b * grad
-            losses.append(((_tensor_stats(pred) - _tensor_stats(target)) ** 2).sum())
+            losses.append(((tensor_stats(pred) - tensor_stats(target)) ** 2).sum())
         if not losses:
             return zero
         mlp_loss = torch.stack(losses).mean()

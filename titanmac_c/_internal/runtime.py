@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from . import _C
+from .. import _C
 
 # what the C core's norms, clipping and AdamW take (float64 computed in double, as torch does);
 # the DeepNestedOptimizer's control and CMS ops take the first three
@@ -111,6 +111,27 @@ def dense_order(t):
         _DENSE_ORDERS.clear()
     _DENSE_ORDERS[key] = order
     return order
+
+
+def in_layout_of(t, p):
+    """t (a gradient or state tensor of parameter p), or a copy of it in p's memory layout when
+    the two differ (a checkpoint saved from a channels_last model loaded into a contiguous one,
+    a gradient assigned in another layout): the C core pairs elements by their place in memory,
+    where torch's ops pair them by index. t is returned as it is when p has no dense layout or
+    the two differ in more than layout (the C core then names the problem)."""
+    if (not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.shape != p.shape
+            or t.device != p.device or t.stride() == p.stride()):
+        return t  # the same strides: the same layout (the usual case, ~0.3 us)
+    if p.is_contiguous():
+        if t.is_contiguous():
+            return t
+    else:
+        order = dense_order(p)
+        if order is None or t.permute(order).is_contiguous():
+            return t
+    out = torch.empty_like(p, dtype=t.dtype)  # preserve_format: p's strides
+    out.copy_(t)
+    return out
 
 
 def is_expanded(t):

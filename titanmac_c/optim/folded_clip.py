@@ -9,10 +9,10 @@ import warnings
 import torch
 from torch import Tensor
 
-from . import _C
-from . import _profiling as prof
-from ._distributed import any_dtensor, is_dtensor, local_of, replicated
-from ._runtime import (
+from .. import _C
+from .._internal import profiling as prof
+from .._internal.distributed import any_dtensor, is_dtensor, local_of, replicated
+from .._internal.runtime import (
     call_dense,
     compute_dtype,
     exec_kwargs,
@@ -20,15 +20,15 @@ from ._runtime import (
     norms_scratch,
     user_stacklevel,
 )
-from .functional import (
-    _check_max_norm,
-    _check_norm_type,
-    _local_norm,
-    _raise_if_nonfinite,
-    _real_views,
-    _result_dtype,
-    _scale_grads,
-    _sharded,
+from .._internal.norm_calls import (
+    check_max_norm,
+    check_norm_type,
+    local_norm,
+    raise_if_nonfinite,
+    real_views,
+    result_dtype,
+    scale_grads,
+    sharded_norms,
 )
 
 
@@ -99,7 +99,7 @@ class PendingClip:
                 for g in kept]
         self.clear()
         if kept:
-            _scale_grads(device, list(range(len(kept))), kept, coef)
+            scale_grads(device, list(range(len(kept))), kept, coef)
 
 
 def given_total_norm(total_norm, device, dtype):
@@ -127,7 +127,7 @@ def _gradients(optimizer, norm_type):
         return grads, optimizer._plan.norm_dtype
     grads = [g for g in (p.grad for group in optimizer.param_groups
                          for p in group["params"]) if g is not None]
-    grads = _real_views("grads", grads, norm_type)
+    grads = real_views("grads", grads, norm_type)
     if len({g.device for g in grads}) > 1:
         raise ValueError("clip_grad_norm_: parameters on several devices; use "
                          "titanmac_c.clip_grad_norm_ instead")
@@ -149,8 +149,8 @@ def folded_clip(optimizer, max_norm, norm_type, error_if_nonfinite, total_norm):
     """(the total norm as AdamW.clip_grad_norm_ returns it, the [1] coefficient tensor on the
     gradients' device or None when there is no gradient, the gradients of every grouped
     parameter when the cached plan gave them, else None). Writes nothing of the optimizer."""
-    max_norm = _check_max_norm(max_norm)
-    norm_type = _check_norm_type(norm_type)
+    max_norm = check_max_norm(max_norm)
+    norm_type = check_norm_type(norm_type)
     grads, dtype = _gradients(optimizer, norm_type)
     planned = grads if dtype is not None else None  # _gradients knows the dtype from a plan only
     if not grads:
@@ -161,13 +161,13 @@ def folded_clip(optimizer, max_norm, norm_type, error_if_nonfinite, total_norm):
         names = [f"param_groups[{gi}]['params'][{pi}]"
                  for gi, group in enumerate(optimizer.param_groups)
                  for pi, p in enumerate(group["params"]) if p.grad is not None]
-        sharded = _sharded("grads", grads, names)
+        sharded = sharded_norms("grads", grads, names)
         mesh = sharded.mesh
     if is_dtensor(total_norm):  # returned as it came, a replicated DTensor
         mesh, total_norm = total_norm.device_mesh, total_norm.full_tensor()
     device = grads[0].device
     if dtype is None:
-        dtype = _result_dtype(grads)
+        dtype = result_dtype(grads)
     # the norm and coefficient in float32, or in float64 (torch's arithmetic) for float64
     # gradients or a float64 total_norm given
     work = compute_dtype(dtype)
@@ -181,7 +181,7 @@ def folded_clip(optimizer, max_norm, norm_type, error_if_nonfinite, total_norm):
     # from the float32 norm, or the float64 one)
     result = total[0] if dtype == total.dtype else total[0].to(dtype)
     if error_if_nonfinite:  # the norm as returned: an fp16 one is inf where the float32 one
-        _raise_if_nonfinite(result, norm_type)  # is finite, and torch raises there
+        raise_if_nonfinite(result, norm_type)  # is finite, and torch raises there
     return (result if mesh is None else replicated(mesh, result)), coef, planned
 
 
@@ -195,7 +195,7 @@ def _norm_and_coef(optimizer, grads, sharded, total_norm, norm_type, max_norm, w
     kwargs = exec_kwargs(device)
     if sharded is not None:
         with prof.step_range(prof.STATS):
-            total = sharded.total(_local_norm("grads", norm_type), norm_type).reshape(1)
+            total = sharded.total(local_norm("grads", norm_type), norm_type).reshape(1)
     elif total_norm is not None:
         total = total_norm.reshape(1).to(work)
     else:

@@ -7,7 +7,7 @@ and leaves the optimizer as it was."""
 import torch
 from torch import Tensor
 
-from ._runtime import is_one_number
+from .._internal.runtime import is_one_number
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 

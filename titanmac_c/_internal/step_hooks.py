@@ -1,5 +1,6 @@
-"""torch's optimizer step hooks run around a step that does not go through Optimizer.step (the
-DeepNestedOptimizer's update by its base AdamW), in the order torch's step wrapper runs them."""
+"""torch's optimizer step bookkeeping for an update that does not go through Optimizer.step (the
+DeepNestedOptimizer's update by its base AdamW): the step hooks, run in the order torch's step
+wrapper runs them, and the flag its LR schedulers read."""
 
 from torch.optim import optimizer as torch_optimizer
 
@@ -29,3 +30,10 @@ def with_step_hooks(optimizer, step):
     for hook in (*optimizer._optimizer_step_post_hooks.values(),
                  *torch_optimizer._global_optimizer_post_hooks.values()):
         hook(optimizer, args, kwargs)
+
+
+def tell_schedulers_stepped(optimizer):
+    """What torch's Optimizer.step wrapper records for the LR schedulers attached to optimizer
+    (its "lr_scheduler.step() before optimizer.step()" warning reads it), for a step that
+    updated optimizer's parameters without going through its step()."""
+    optimizer._opt_called = True

@@ -17,11 +17,11 @@ import warnings
 
 import torch
 
-from . import _C
-from . import _profiling as prof
-from ._dno_args import check_float, check_rate_range
-from ._flat import lay_out_state
-from ._runtime import before_write, mark_written
+from .. import _C
+from .._internal import profiling as prof
+from .args import check_float, check_rate_range
+from ..optim.batching import lay_out_state
+from .._internal.runtime import before_write, mark_written
 
 
 class GraphState:

@@ -9,15 +9,15 @@ A mixin of titanmac_c.DeepNestedOptimizer (deep_nested.py); the MLP's proxy loss
 
 import torch
 
-from ._grad_mark import GradientMark
-from ._reference_dno import (
+from .._internal.grad_mark import GradientMark
+from .nets import (
     EXPLICIT_META_ROWS,
     META_GRAD_CLIP,
     N_GROUPS,
-    _default_loss_fn,
-    _fused_clip_grad_norm_,
+    default_loss_fn,
+    fused_clip_grad_norm_,
 )
-from ._runtime import eager_only
+from .._internal.runtime import eager_only
 
 CURRENT = object()  # _update_meta_components' default: the current gradients' clip
 
@@ -90,7 +90,7 @@ class MetaLearningMixin:
             total = controller_loss + mlp_loss
             total.backward()
         meta_params = list(self.momentum_mlp.parameters()) + list(self.controller.parameters())
-        grad_norm = _fused_clip_grad_norm_(meta_params, META_GRAD_CLIP, inplace=True)
+        grad_norm = fused_clip_grad_norm_(meta_params, META_GRAD_CLIP, inplace=True)
         self.meta_optimizer.step()
         self.last_meta_loss = total.detach()
         self.controller_grad_norm = grad_norm
@@ -104,7 +104,7 @@ class MetaLearningMixin:
         branch when use_unrolled and train_batches holds at least k_unroll batches; that branch
         is broken in the reference (B3) and raises NotImplementedError here. With fewer batches
         (or none) both take the simplified branch."""
-        loss_fn = loss_fn or _default_loss_fn
+        loss_fn = loss_fn or default_loss_fn
         if use_unrolled and train_batches is not None and len(train_batches) >= self.k_unroll:
             raise NotImplementedError(
                 "meta_update(use_unrolled=True): the reference's unrolled meta-gradient is "

@@ -11,16 +11,16 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from . import _C
-from . import _profiling as prof
-from ._adamw_hparams import Hyperparameters, scalar
-from ._adamw_state import CommittedNewState, check_loaded_state, init_state, normalize_steps
-from ._amp import AmpScaling
-from ._distributed import dtensor_type
-from ._flat import Batch, Plan
-from ._folded_clip import PendingClip, folded_clip
-from ._grad_mark import GradientMark
-from ._runtime import (
+from .. import _C
+from .._internal import profiling as prof
+from .hparams import Hyperparameters, scalar
+from .state import CommittedNewState, check_loaded_state, init_state, normalize_steps
+from .amp import AmpScaling
+from .._internal.distributed import dtensor_type
+from .batching import Batch, Plan
+from .folded_clip import PendingClip, folded_clip
+from .._internal.grad_mark import GradientMark
+from .._internal.runtime import (
     COMPLEX_DTYPES,
     SUPPORTED_DTYPES,
     Scratch,
@@ -216,7 +216,7 @@ class AdamW(Optimizer):
             amp = AmpScaling.of(self)
             if amp is not None:
                 self._pending_clip.warn_if_loss_scaled(amp)
-            self._fused_step(amp=amp)
+            adamw_step(self, amp=amp)
         except Exception:
             # GradScaler removes its attributes only after a step that returned; left in place,
             # its next step would multiply the next loss scale into this one
@@ -402,3 +402,47 @@ class AdamW(Optimizer):
                 for _, grad, copy in batch.grad_copies:
                     grad.copy_(copy)
         mark_written(*written)
+
+
+# ---------------------------------------------------------------------------------------- entries
+# What a caller that drives an AdamW from values it computed on the device (the
+# DeepNestedOptimizer) uses instead of the optimizer's private members.
+
+def adamw_step(optimizer, *, lr=None, grad_scale=None, skip=None, zero_grads_on_skip=False,
+               amp=None, planned_grads=None):
+    """One AdamW step of `optimizer` (a titanmac_c.AdamW) over every parameter with a gradient:
+    what AdamW.step() runs, with the inputs a caller may compute on the device.
+
+    lr: None (each group's "lr"), or a float32/float64 tensor with one learning rate per param
+    group on the parameters' device. grad_scale: None, or a float32/float64 [1] device tensor
+    multiplied into each gradient as it is loaded (a clip coefficient; without it a pending
+    clip_grad_norm_ coefficient is used). skip: None, or a float32 [1] device tensor; nonzero
+    skips the step on the device (no state advances; with zero_grads_on_skip the gradients are
+    zeroed). amp: a GradScaler's AmpScaling, or None. planned_grads: the gradients
+    planned_gradients() returned within this step, so they are not read again.
+    See titanmac.h tm_adamw_step for the C contract. No host sync."""
+    optimizer._fused_step(lr=lr, grad_scale=grad_scale, skip=skip,
+                          zero_grads_on_skip=zero_grads_on_skip, amp=amp,
+                          planned_grads=planned_grads)
+
+
+def planned_gradients(optimizer):
+    """(grads, params, group_of) of every parameter in group order, read through the optimizer's
+    cached plan of its last full step (read-only lists), or None when there is no valid plan, a
+    gradient is missing or the parameters are DTensors."""
+    return optimizer._planned_flat()
+
+
+def plan_token(optimizer):
+    """An object that stays the same (by identity) while the optimizer's cached plan is: a cheap
+    "are the groups as at my last look" check for a caller that saw planned_gradients() succeed."""
+    return optimizer._plan
+
+
+def group_hyperparameters(optimizer):
+    """Each group's hyperparameters as the step hands them to the C core (betas, eps, weight
+    decay, maximize), validated as the step validates them, with its amsgrad flag: a value the
+    step would refuse raises here, before anything is written."""
+    read = optimizer._hparams.of_group
+    return tuple((read(gi, g), bool(g.get("amsgrad", False)))
+                 for gi, g in enumerate(optimizer.param_groups))

@@ -43,8 +43,8 @@ import warnings
 
 import torch
 
-from . import _profiling as prof
-from ._reference_dno import (
+from .._internal import profiling as prof
+from .nets import (
     DIRECT_MLP_MAX_HIDDEN,
     IMPROVEMENT_THRESHOLD,
     N_GROUPS,
@@ -55,14 +55,14 @@ from ._reference_dno import (
     NestedController,
     SimplifiedMetaTrainer,
     UnrolledMetaTrainer,
-    _model_n_layers,
+    model_n_layers,
     group_moe_params,
     infer_param_depth,
 )
-from ._dno_graph import GraphState
-from ._cms import CMSModeMixin, init_output_on_sign
-from ._cms_state import CMSState
-from ._dno_args import (
+from .graph import GraphState
+from .cms import CMSModeMixin, init_output_on_sign
+from .cms_state import CMSState
+from .args import (
     check_c_limits,
     check_float,
     check_frequencies,
@@ -73,13 +73,13 @@ from ._dno_args import (
     loss_in_float32_range,
     model_device,
 )
-from ._dno_checkpoint import CheckpointMixin
-from ._dno_control import ControlStepMixin, GroupWatch
-from ._dno_meta import MetaLearningMixin
-from ._step_hooks import has_step_hooks, with_step_hooks
-from ._runtime import Scratch, as_number, eager_only
-from .functional import _real_views, _scale_grads
-from .optim import AdamW
+from .checkpoint import CheckpointMixin
+from .control import ControlStepMixin, GroupWatch
+from .meta import MetaLearningMixin
+from .._internal.step_hooks import has_step_hooks, with_step_hooks
+from .._internal.runtime import Scratch, as_number, eager_only
+from .._internal.norm_calls import real_views, scale_grads
+from ..optim.adamw import AdamW
 
 
 class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin, MetaLearningMixin,
@@ -216,7 +216,7 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin, MetaLearningMixin,
                                                   improvement_threshold=IMPROVEMENT_THRESHOLD)
         self.unrolled_trainer = UnrolledMetaTrainer(k_steps=self.k_unroll,
                                                     use_checkpointing=use_gradient_checkpointing)
-        n_layers = _model_n_layers(model)
+        n_layers = model_n_layers(model)
         depths = [sum(infer_param_depth(n, n_layers) for n in names) / len(names) if names
                   else 0.5 for names in group_names]
         self.group_depths = torch.tensor(depths, dtype=torch.float32, device=self.device)
@@ -377,9 +377,9 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin, MetaLearningMixin,
             grads, params = self._gather(with_params=True)[:2]
             # as the C core's clip where it can, strided slices by torch's mul_ (functional's),
             # complex gradients as their real views (a real factor scales both parts)
-            grads = _real_views("parameters", grads, 2.0)
+            grads = real_views("parameters", grads, 2.0)
             try:
-                _scale_grads(self.device, list(range(len(grads))), grads, self._coef)
+                scale_grads(self.device, list(range(len(grads))), grads, self._coef)
             except (RuntimeError, BufferError, ValueError, TypeError) as err:
                 self._raise_by_name(err, params)
             self._clipped_in_place = True

@@ -6,35 +6,14 @@ import operator
 
 import torch
 
-from ._adamw_state import STATE_KEYS, malformed_state, step_count
-from ._distributed import dtensor_type, local_of, localize, refuse_plain_with_dtensor
-from ._runtime import (COMPLEX_DTYPES, dense_order, is_expanded, is_strided_only,
-                       real_view)
+from .state import STATE_KEYS, malformed_state, step_count
+from .._internal.distributed import dtensor_type, local_of, localize, refuse_plain_with_dtensor
+from .._internal.runtime import (COMPLEX_DTYPES, dense_order, in_layout_of, is_expanded,
+                                is_strided_only, real_view)
 
 _IS_NONE = functools.partial(operator.is_, None)
 _EXP_AVG, _EXP_AVG_SQ, _MAX_EXP_AVG_SQ, _STEP = (
     operator.itemgetter(k) for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step"))
-
-
-def in_layout_of(t, p):
-    """t (a gradient or state tensor of parameter p), or a copy of it in p's memory layout when
-    the two differ (a checkpoint saved from a channels_last model loaded into a contiguous one,
-    a gradient assigned in another layout): the C core pairs elements by their place in memory,
-    where torch's ops pair them by index. t is returned as it is when p has no dense layout or
-    the two differ in more than layout (the C core then names the problem)."""
-    if (not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.shape != p.shape
-            or t.device != p.device or t.stride() == p.stride()):
-        return t  # the same strides: the same layout (the usual case, ~0.3 us)
-    if p.is_contiguous():
-        if t.is_contiguous():
-            return t
-    else:
-        order = dense_order(p)
-        if order is None or t.permute(order).is_contiguous():
-            return t
-    out = torch.empty_like(p, dtype=t.dtype)  # preserve_format: p's strides
-    out.copy_(t)
-    return out
 
 
 def lay_out_state(state, p):

@@ -10,10 +10,10 @@ import copy
 
 import torch
 
-from ._cms_state import check_dense_float
-from ._dno_args import as_int
-from ._reference_dno import N_GROUPS
-from ._runtime import is_one_number
+from .cms_state import check_dense_float
+from .args import as_int
+from .nets import N_GROUPS
+from .._internal.runtime import is_one_number
 
 _META_HISTORIES = ("loss_history", "multiplier_history", "momentum_history")
 _COMPILED_PREFIX = "_orig_mod."  # torch.compile's wrapper names the wrapped module so
