@@ -125,7 +125,7 @@ def annotate_reference(opt):
 
 
 def annotate_titanmac_c(opt):
-    """Until deep_nested.py emits the ranges itself: wrap its parts from outside. In titanmac_c
+    """Until the DeepNestedOptimizer emits the ranges itself: wrap its parts from outside. In titanmac_c
     the clip has no pass of its own: the coefficient comes out of the control op (controller
     range) and is applied as the update loads each gradient (update range)."""
     _wrap_method(opt, "_run_norms", P.STATS)

@@ -1,6 +1,6 @@
 """Named ranges around the parts of a titanmac_c step, for torch.profiler and Nsight Systems.
 
-    from titanmac_c._profiling import step_range, STATS
+    from titanmac_c._internal.profiling import step_range, STATS
     with step_range(STATS):
         ...                                   # shows as "titanmac/stats" in the timelines
 
@@ -33,7 +33,7 @@ import time
 
 import torch
 
-# Range names of the parts of a step (wired into optim.py / deep_nested.py).
+# Range names of the parts of a step (wired into optim/adamw.py and deep_nested/optimizer.py).
 STEP = "titanmac/step"              # one whole optimizer step
 STATS = "titanmac/stats"            # group norms / clip norm statistics (one pass over the grads)
 CONTROLLER = "titanmac/controller"  # EMA, NestedController, lr = base_lr * mu, skip flag

@@ -5,6 +5,7 @@ name."""
 
 import math
 import numbers
+from typing import NamedTuple
 
 import torch
 
@@ -161,3 +162,19 @@ def check_loss_value(loss):
         return loss
     # a string, a list, a complex: TypeError, as the reference's float() of it
     return as_number("loss_value", loss, "a number or a one-element tensor")
+
+
+class StepInputs(NamedTuple):
+    """What the parts of one step read of the optimizer's public attributes, taken once when the
+    step starts: a user may assign any of them between steps (a base_lr schedule, a new
+    max_grad_norm, a replaced network), and every part of the step then sees the same values."""
+
+    t: int                   # this step's number (global_step after it)
+    update: bool             # the controller is evaluated at this step
+    base_lr: float
+    max_grad_norm: float     # <= 0: no clipping
+    weight_decay: float      # the CMS update's (AdamW mode: the groups' own)
+    controller: torch.nn.Module
+    momentum_mlp: torch.nn.Module
+    mlp_optimizer: object    # torch.optim.Adam of the DirectUpdateMLP, or None
+    mlp_train_freq: int      # Phase 1 every mlp_train_freq steps

@@ -2,7 +2,7 @@
 DirectUpdateMLP: its gradient from the C core on the CPU, from the same algorithm in torch ops,
 without host syncs, on CUDA), Phase 2, the parameter update, as one call of the C core
 (tm_cms_step), and the momentum network's meta proxy loss. The state it keeps and its
-checkpoint layout: _cms_state.py.
+checkpoint layout: cms_state.py.
 """
 
 import math
@@ -24,7 +24,8 @@ from .nets import (
     fused_clip_grad_norm_,
     tensor_stats,
 )
-from .._internal.runtime import before_write, dense_order, exec_kwargs, in_layout_of, mark_written
+from .._internal.runtime import (Scratch, before_write, dense_order, exec_kwargs, in_layout_of,
+                                mark_written)
 from .surrogate import SurrogatePlan, surrogate_gradient
 
 PHASE1_PLANS_KEPT = 4  # Phase 1 layouts whose SurrogatePlan is kept (CUDA's way)
@@ -78,110 +79,127 @@ def init_output_on_sign(mlp):
     out.weight[0, 0], out.weight[0, 1] = 0.1, -0.1
 
 
-class CMSModeMixin:
-    """The CMS-mode steps of DeepNestedOptimizer (its attributes: _cms, momentum_mlp,
-    mlp_optimizer, base_optimizer, _lr, _coef, skipped, _loss, ...)."""
+class CMSMode:
+    """The CMS-mode update of a DeepNestedOptimizer: its state (CMSState), Phase 1 (the
+    DirectUpdateMLP's surrogate training) and Phase 2 (the C core's tm_cms_step), reading the
+    learning rates, clip coefficient, skip flag and loss the control op wrote (Control).
 
-    def _momentum_norms(self):
-        """The norm of every (tensor, level) momentum, as device tensors; none in AdamW mode or
-        without grouped tensors (a model frozen at construction), where the reference's are 0."""
-        momenta = self._cms.momenta() if self._cms is not None else []
+    phase1_cpu_path: how Phase 1 runs. On the CPU its gradient comes from the C core's op, and a
+    step the device-side guard skipped is seen on the host (a free read there), so Phase 1 skips
+    it as the reference's does; on CUDA the same algorithm runs in torch ops (with chunk plans for
+    the selected sizes) and a skipped step's targets count as zero (no host read). The tests set
+    it False to run CUDA's way on the CPU."""
+
+    def __init__(self, device, params, weights, control, state, *, use_preprocessing, hidden,
+                 layers, cms_frequencies, fix_reference_bugs):
+        self.device = device
+        self.params = params  # GroupedParams
+        self.weights = weights  # NetworkWeights
+        self.control = control  # Control: lr, coef, skipped, loss
+        self.state = state  # CMSState
+        self.use_preprocessing = use_preprocessing
+        self.net = "direct" if use_preprocessing else "legacy"
+        # the DirectUpdateMLP is capped at DIRECT_MLP_MAX_HIDDEN units, as the reference's
+        self.hidden = min(hidden, DIRECT_MLP_MAX_HIDDEN) if use_preprocessing else hidden
+        self.layers = layers
+        self.cms_frequencies = cms_frequencies
+        self.fix_reference_bugs = fix_reference_bugs
+        self.output_history = {}  # tensor index -> last Phase 1 output (checkpointed)
+        self.phase1_cpu_path = device.type == "cpu"
+        self.phase1_plans = {}
+        self.last_surrogate_loss = None
+        self.scratch = Scratch()
+        self.relaid = False  # the last Phase 2 laid gradients out (phase2)
+
+    def momentum_norms(self):
+        """The norm of every (tensor, level) momentum, as device tensors; none without grouped
+        tensors (a model frozen at construction), where the reference's are 0."""
+        momenta = self.state.momenta()
         return list(torch._foreach_norm(momenta)) if momenta else []
 
-    def get_momentum_stats(self):
-        """Norms of every (tensor, level) momentum (one host sync). AdamW mode keeps no momentum
-        buffers: the reference's all-zero ones give 0."""
-        norms = self._momentum_norms()
-        if not norms:
-            return {"momentum_total_norm": 0.0, "momentum_avg_norm": 0.0,
-                    "global_step": self.global_step}
-        total = torch.stack(norms).sum().item()
-        return {"momentum_total_norm": total, "momentum_avg_norm": total / len(norms),
-                "global_step": self.global_step}
-
-    def _phase1(self, t):
+    def phase1(self, step):
         """Spec 7.2 Phase 1, every mlp_train_freq steps with DirectUpdateMLP: the surrogate
         training on the first 20 tensors with a gradient. Its input is the level-0 accumulator,
         zero at this point in the reference (B1). On the CPU the loss's gradient comes from the
         C core (tm_cms_surrogate); on CUDA from its algorithm in torch ops
-        (_surrogate.surrogate_gradient)."""
-        if not self._phase1_due(t):
+        (surrogate.surrogate_gradient)."""
+        if not self.phase1_due(step):
             return
-        if self._phase1_cpu_path and float(self.skipped) != 0.0:
+        if self.phase1_cpu_path and float(self.control.skipped) != 0.0:
             return  # the reference's guard returns before Phase 1 (CUDA: _phase1_targets)
-        self._check_cms_state_matches()
+        self._check_state_matches()
         # Phase 1 writes the MLP and its Adam state before Phase 2 runs: whatever Phase 2 would
         # refuse (a gradient sharing memory, a buffer of another dtype) is refused first
-        self._cms_phase2(t, check_only=True)
-        selected = select_phase1_tensors(self.base_optimizer.param_groups)
+        self.phase2(step, check_only=True)
+        selected = select_phase1_tensors(self.params.base.param_groups)
         if not selected:
             return
-        self.mlp_optimizer.zero_grad()
-        total = self._phase1_gradient(selected)
+        step.mlp_optimizer.zero_grad()
+        total = self._phase1_gradient(selected, step.momentum_mlp)
         # The reference's clip (torch ops, no host sync) and Adam step.
-        fused_clip_grad_norm_(self.momentum_mlp.parameters(), META_GRAD_CLIP, inplace=True)
-        self.mlp_optimizer.step()
-        self._last_surrogate_loss = total.detach()
+        fused_clip_grad_norm_(step.momentum_mlp.parameters(), META_GRAD_CLIP, inplace=True)
+        step.mlp_optimizer.step()
+        self.last_surrogate_loss = total.detach()
 
-    def _check_cms_state_matches(self):
+    def _check_state_matches(self):
         """Phase 1 trains the MLP before Phase 2 runs: a parameter that no longer matches its CMS
         state (`p.data = ...` of another size or device) is refused here first, with a message
         that says what happened, nothing written."""
-        momentum = self._cms.buffers["momentum"][0]
-        params = self._gather(with_params=True)[1]
-        for p, i in zip(params, self._cms_indices(params)):
+        momentum = self.state.buffers["momentum"][0]
+        params = self.params.gather(with_params=True)[1]
+        for p, i in zip(params, self.indices(params)):
             m = momentum[i]
             if m.numel() != p.numel() or m.device != p.device:
                 raise ValueError(
-                    f"parameter {self._param_names[p]!r}: {p.numel()} elements on {p.device}, "
+                    f"parameter {self.params.names[p]!r}: {p.numel()} elements on {p.device}, "
                     f"its CMS state {m.numel()} on {m.device} (the parameter was replaced since "
                     "the optimizer was built: build a new optimizer, or load a checkpoint of "
                     "this model)")
 
-    def _cms_indices(self, params):
+    def indices(self, params):
         """Each parameter's place in the CMS state. One appended to a group after construction
         has none (the reference fails on it with a KeyError): refused, named, nothing written."""
         try:
-            return [self._cms.index[p] for p in params]
+            return [self.state.index[p] for p in params]
         except KeyError as err:
-            name = self._param_names.get(err.args[0], "?")
+            name = self.params.names.get(err.args[0], "?")
             raise ValueError(
                 f"parameter {name!r}: no CMS state (appended to a group after the optimizer was "
                 "built: CMS mode keeps the state of the parameters it was built with, as the "
                 "reference does; build a new optimizer to train it)") from None
 
-    def _phase1_due(self, t):
-        """Phase 1 runs at step t (the DirectUpdateMLP's surrogate training)."""
-        return self.use_preprocessing and t % self.mlp_train_freq == 0
+    def phase1_due(self, step):
+        """Phase 1 runs at this step (the DirectUpdateMLP's surrogate training)."""
+        return self.use_preprocessing and step.t % step.mlp_train_freq == 0
 
     def _phase1_targets(self, selected):
         """Per tensor what g^_0 is made of, and the scale: (targets, scale, divisor) with
         g^_0 = target * scale / divisor (a non-finite g^_0 counts as 0)."""
         divisor = float(max(self.cms_frequencies[0], 1))
         if self.fix_reference_bugs:  # B1 corrected: the current (clipped) gradient
-            targets, scale = [p.grad.detach() for p in selected], self._coef
+            targets, scale = [p.grad.detach() for p in selected], self.control.coef
         else:  # B1: A_0 was reset by the last Phase 2, so this is zero
-            acc = self._cms.buffers["accumulated_grad"][0]
-            targets, scale = [acc[self._cms.index[p]] for p in selected], None
-        if not self._phase1_cpu_path:
+            acc = self.state.buffers["accumulated_grad"][0]
+            targets, scale = [acc[self.state.index[p]] for p in selected], None
+        if not self.phase1_cpu_path:
             # A step the guard skipped (known on the device only) trains on zero targets: scale
             # 0 zeroes them, NaN gradients included. x * 1 is exact, so an unskipped step is
             # unchanged.
-            scale = torch.where(self.skipped != 0.0, 0.0, 1.0 if scale is None else scale)
+            scale = torch.where(self.control.skipped != 0.0, 0.0, 1.0 if scale is None else scale)
         return targets, scale, divisor
 
-    def _phase1_gradient(self, selected):
+    def _phase1_gradient(self, selected, mlp):
         """The surrogate loss's gradient over the selected tensors into the MLP's .grad (the
         mean over tensors, as the reference's backward of the stacked mean), each tensor's output
         kept in place as the next call's previous output; returns the mean loss. The activations
         are never all stored: the reference's autograd holds [numel, H] floats per layer for
         every tensor until its backward (~1.3 GB on the 3.2M-parameter TitanMAC-like model)."""
-        cms = self._cms
+        cms = self.state
         idx = [cms.index[p] for p in selected]
         for i, p in zip(idx, selected):
             cms.lay_out_like(i, p)  # the targets may be the accumulators
         targets, scale, divisor = self._phase1_targets(selected)
-        history = self._mlp_output_history
+        history = self.output_history
         has_prev = [i in history and history[i].shape == p.shape
                     for i, p in zip(idx, selected)]
         for i, p, prev in zip(idx, selected, has_prev):
@@ -198,16 +216,15 @@ class CMSModeMixin:
         momenta = views([cms.buffers["momentum"][0][i] for i in idx])
         outputs = views([history[i] for i in idx])
         grads = []
-        for w in self.momentum_mlp.parameters():
+        for w in mlp.parameters():
             w.grad = torch.empty_like(w)
             grads.append(w.grad)
-        weights = self._weights_of("momentum_mlp")
+        weights = self.weights.of("momentum_mlp", mlp)
         losses = torch.empty(len(selected), dtype=torch.float32, device=self.device)
-        if self._phase1_cpu_path:
+        if self.phase1_cpu_path:
             _C.cms_surrogate(
                 targets, momenta, outputs, weights, grads, losses, divisor=divisor,
-                hidden=min(self.momentum_hidden_dim, DIRECT_MLP_MAX_HIDDEN),
-                layers=self.momentum_num_layers, has_prev=has_prev, scale=scale,
+                hidden=self.hidden, layers=self.layers, has_prev=has_prev, scale=scale,
                 **exec_kwargs(self.device))
         else:
             surrogate_gradient(targets, momenta, outputs, weights, grads, losses,
@@ -219,23 +236,23 @@ class CMSModeMixin:
         """The SurrogatePlan of these sizes, from the last few layouts (a selection that changes
         with gradients present or not, e.g. alternating branches, reuses its plans: each costs a
         few fills per tensor on CUDA)."""
-        plans = self._phase1_plans
+        plans = self.phase1_plans
         plan = plans.pop(sizes, None) or SurrogatePlan(sizes, self.device)
         plans[sizes] = plan  # most recent last
         while len(plans) > PHASE1_PLANS_KEPT:
             del plans[next(iter(plans))]
         return plan
 
-    def _cms_phase2(self, t, check_only=False, context=None):
+    def phase2(self, step, check_only=False, context=None):
         """Spec 7.2 Phase 2 for every grouped tensor with a gradient: one tm_cms_step call.
         check_only: the call's checks alone (tm_cms_check), nothing run or written. context:
         None, or a float64 [2] device tensor that holds (t, base_lr) for the legacy network's
         context when the call runs, read there instead of the numbers (CUDA-graph mode: a
         replay repeats the numbers of its capture)."""
-        grads, params, group_of, _ = self._gather(with_params=True)
+        grads, params, group_of, _ = self.params.gather(with_params=True)
         if not params:
             return
-        idx = self._cms_indices(params)
+        idx = self.indices(params)
         if not check_only:
             before_write(params)
         try:
@@ -243,86 +260,84 @@ class CMSModeMixin:
             # out since: the C core refuses them (it pairs elements by their place in memory)
             # before any write, so they are laid out like the parameter; at once when the last
             # step needed it (a gradient that comes so every step), else after a refusal
-            laid = self._cms_laid_out_grads(idx, params, grads) if self._cms_relaid else None
+            laid = self._laid_out_grads(idx, params, grads) if self.relaid else None
             if laid is None:
                 try:
-                    self._cms_call(t, idx, params, grads, group_of, check_only, context)
+                    self._call(step, idx, params, grads, group_of, check_only, context)
                 except BufferError:
-                    laid = self._cms_laid_out_grads(idx, params, grads)
+                    laid = self._laid_out_grads(idx, params, grads)
                     if laid is None:
                         raise
             if laid is not None:
-                self._cms_call(t, idx, params, laid, group_of, check_only, context)
+                self._call(step, idx, params, laid, group_of, check_only, context)
         except (BufferError, ValueError, TypeError) as err:
-            self._reraise_named(err, params, weights_of="momentum_mlp")
-        self._cms_relaid = laid is not None
+            self.params.reraise_named(err, params, weights=("momentum_mlp", step.momentum_mlp))
+        self.relaid = laid is not None
         if not check_only:
             mark_written(params)
 
-    def _cms_laid_out_grads(self, idx, params, grads):
+    def _laid_out_grads(self, idx, params, grads):
         """The gradients in their parameters' layouts (copies for this step, in_layout_of),
         every CMS buffer moved into its parameter's layout for good (CMSState.lay_out_like);
         None when that changes nothing."""
         changed = False
         laid = []
         for i, p, g in zip(idx, params, grads):
-            changed = self._cms.lay_out_like(i, p) or changed
+            changed = self.state.lay_out_like(i, p) or changed
             laid.append(in_layout_of(g, p))
             changed = changed or laid[-1] is not g
         return laid if changed else None
 
-    def _cms_call(self, t, idx, params, grads, group_of, check_only, context=None):
+    def _call(self, step, idx, params, grads, group_of, check_only, context=None):
         """tm_cms_step (or its checks alone) on the tensors at idx."""
-        cms = self._cms
+        cms = self.state
+        control = self.control
         lists = {name: cms.level_lists(name, idx) for name in CMS_BUFFERS}
-        net = "direct" if self.use_preprocessing else "legacy"
-        hidden = (min(self.momentum_hidden_dim, DIRECT_MLP_MAX_HIDDEN) if self.use_preprocessing
-                  else self.momentum_hidden_dim)
         scratch = None
         if self.device.type == "cuda":
-            nbytes = _C.cms_scratch_bytes(params, levels=cms.k, net=net)
-            scratch = self._cms_scratch.get(self.device, nbytes)
+            nbytes = _C.cms_scratch_bytes(params, levels=cms.k, net=self.net)
+            scratch = self.scratch.get(self.device, nbytes)
         _C.cms_step(
             params, grads, lists["momentum"], lists["accumulated_grad"], lists["ema_grad"],
-            lists["v_sq"], [cms.step_counts[i] for i in idx], self._lr, group_of,
-            self._weights_of("momentum_mlp"),
-            fires=cms.fires(t), divisors=[float(max(f, 1)) for f in self.cms_frequencies],
-            ema_decays=cms.ema_decays, net=net, hidden=hidden,
-            layers=self.momentum_num_layers, weight_decay=self.weight_decay, t=float(t),
-            base_lr=self.base_lr, loss=self._loss, grad_scale=self._coef, skip=self.skipped,
-            context=context, scratch=scratch, check_only=check_only, **exec_kwargs(self.device))
+            lists["v_sq"], [cms.step_counts[i] for i in idx], control.lr, group_of,
+            self.weights.of("momentum_mlp", step.momentum_mlp),
+            fires=cms.fires(step.t), divisors=[float(max(f, 1)) for f in self.cms_frequencies],
+            ema_decays=cms.ema_decays, net=self.net, hidden=self.hidden,
+            layers=self.layers, weight_decay=step.weight_decay, t=float(step.t),
+            base_lr=step.base_lr, loss=control.loss, grad_scale=control.coef,
+            skip=control.skipped, context=context, scratch=scratch, check_only=check_only, **exec_kwargs(self.device))
 
-    def _mlp_proxy_loss(self, loss_value, grad_scale):
+    def mlp_proxy_loss(self, loss_value, grad_scale, meta_trainer, global_step, base_lr, mlp):
         """Spec 9.3 in CMS mode (in AdamW mode every target is zero, so it is 0). No gradient
         reaches the MLP (B2); the value only enters last_meta_loss."""
         zero = torch.zeros((), device=self.device, requires_grad=True)
-        if self._cms is None or len(self.meta_trainer.loss_history) < PROXY_WARMUP_ENTRIES:
+        if len(meta_trainer.loss_history) < PROXY_WARMUP_ENTRIES:
             return zero
         sampled = []
-        for group in self.base_optimizer.param_groups:
+        for group in self.params.base.param_groups:
             sampled.extend(p for p in group["params"][:META_SAMPLE_PER_GROUP]
                            if p.grad is not None)
         sampled = sampled[:META_SAMPLE_MAX]
-        context = torch.tensor([self.global_step / 1000.0, self.base_lr,
+        context = torch.tensor([global_step / 1000.0, base_lr,
                                 math.log(max(loss_value, 1e-8) + 1.0)],
                                dtype=torch.float32, device=self.device)
         losses = []
         for p in sampled:
-            i = self._cms.index[p]
-            target = self._cms.buffers["ema_grad"][0][i]
+            i = self.state.index[p]
+            target = self.state.buffers["ema_grad"][0][i]
             if target.abs().max() < EMA_TARGET_MIN:  # host sync, meta steps only
                 continue
-            m0 = self._cms.buffers["momentum"][0][i]
+            m0 = self.state.buffers["momentum"][0][i]
             grad = p.grad if grad_scale is None else p.grad * grad_scale
             if self.use_preprocessing:
-                pred = self.momentum_mlp(grad, m0)
+                pred = mlp(grad, m0)
             else:
-                a, b, _ = self.momentum_mlp(grad, m0, context)
+                a, b, _ = mlp(grad, m0, context)
                 pred = a * m0 + b * grad
             losses.append(((tensor_stats(pred) - tensor_stats(target)) ** 2).sum())
         if not losses:
             return zero
         mlp_loss = torch.stack(losses).mean()
-        if self.meta_trainer.recent_improvement() < IMPROVEMENT_THRESHOLD:
+        if meta_trainer.recent_improvement() < IMPROVEMENT_THRESHOLD:
             mlp_loss = mlp_loss + STAGNATION_CONSTANT
         return mlp_loss

@@ -19,9 +19,10 @@ import torch
 
 from .. import _C
 from .._internal import profiling as prof
-from .args import check_float, check_rate_range
-from ..optim.batching import lay_out_state
 from .._internal.runtime import before_write, mark_written
+from ..optim.adamw import adamw_step, group_hyperparameters
+from ..optim.batching import lay_out_state
+from .args import check_float, check_rate_range
 
 
 class GraphState:
@@ -31,17 +32,23 @@ class GraphState:
     gradient that was reallocated anyway is copied in), the learning rate scale is a device
     tensor, and a reload re-captures."""
 
-    def __init__(self, opt):
-        self.opt = opt
+    def __init__(self, device, params, weights, control, cms, warmup):
+        self.device = device
+        self.params = params  # GroupedParams (its .base: the AdamW)
+        self.weights = weights  # NetworkWeights
+        self.control = control  # Control
+        self.cms = cms  # CMSMode, or None in AdamW mode
+        self.warmup = warmup  # eager steps before the first capture
         self.base_lr = None
         self.context = None  # legacy network: (t, base_lr), float64, for its context
         self.reset()
 
     def supported(self):
-        if self.opt.device.type != "cuda" or not _C.cuda_compiled():
+        """Whether graphs can be captured here (CUDA tensors and the CUDA backend); else warns
+        that the steps run eagerly."""
+        if self.device.type != "cuda" or not _C.cuda_compiled():
             warnings.warn("use_cuda_graph=True needs CUDA tensors and the CUDA backend; "
                           "running eagerly")
-            self.opt._graph = None
             return False
         return True
 
@@ -54,33 +61,29 @@ class GraphState:
         self.addresses = None  # see _addresses
         self.host_values = None  # see _host_values
 
-    def _addresses(self, params):
+    def _addresses(self, params, step):
         """The memory the captured calls read and write besides the static gradients and the
         optimizer's own buffers: the parameters and the networks' weights. One replaced or moved
         since the capture (`p.data = ...`, a module's `load_state_dict(..., assign=True)`) would
         leave the graphs on the old memory, so they are captured again."""
-        opt = self.opt
-        weights = opt._weights_of("controller")
-        if opt._cms is not None:
-            weights = weights + opt._weights_of("momentum_mlp")
+        weights = self.weights.of("controller", step.controller)
+        if self.cms is not None:
+            weights = weights + self.weights.of("momentum_mlp", step.momentum_mlp)
         return tuple(t.data_ptr() for t in params) + tuple(w.data_ptr() for w in weights)
 
-    def _host_values(self):
+    def _host_values(self, step):
         """The numbers the captured calls take from the host, which a capture freezes: the clip
         threshold, and the update's hyperparameters (CMS: the weight decay; AdamW: each group's
         betas, eps, weight decay, maximize and amsgrad, as its step reads them, so a value the
         step would refuse is refused here, before anything is written). One changed since the
         capture (a weight decay schedule, a new max_grad_norm) captures the graphs again: the
         replays would go on with the old value."""
-        opt = self.opt
         # float(): a 0-d tensor assigned and then changed in place would compare equal to itself
-        if opt._cms is not None:
-            update = float(opt.weight_decay)
-        else:  # the groups' (opt.weight_decay is the AdamW step's default only at construction)
-            read = opt.base_optimizer._hparams.of_group
-            update = tuple((read(gi, g), bool(g.get("amsgrad", False)))
-                           for gi, g in enumerate(opt.base_optimizer.param_groups))
-        return float(opt.max_grad_norm), update
+        if self.cms is not None:
+            update = float(step.weight_decay)
+        else:  # the groups' (the optimizer's weight_decay is their default only at construction)
+            update = group_hyperparameters(self.params.base)
+        return float(step.max_grad_norm), update
 
     def _bind_grads(self, params):
         """Make every parameter's .grad the static buffer the graphs read. False when a
@@ -105,51 +108,56 @@ class GraphState:
                 p.grad = buf
         return True
 
-    def step(self, t, update):
-        opt = self.opt
-        if t <= opt.cuda_graph_warmup_steps or t == 1:
+    def step(self, step):
+        """Run this step (StepInputs) as graph replays, capturing first where needed; False when
+        it must run eagerly (a warm-up step, gradients outside the groups or missing), nothing
+        done then."""
+        t = step.t
+        if t <= self.warmup or t == 1:
             return False
         # the captured control op took base_lr = 1 and checks nothing of the real one
-        check_rate_range(check_float("base_lr", opt.base_lr))
-        if opt._ungrouped_grads():
+        check_rate_range(check_float("base_lr", step.base_lr))
+        if self.params.ungrouped_grads():
             return False  # gradients outside the groups, at addresses of their own: eager
-        params = [p for g in opt.base_optimizer.param_groups for p in g["params"]]
+        params = self.params.all()
         if not self._bind_grads(params):
             return False
-        addresses = self._addresses(params)
-        host_values = self._host_values()
+        addresses = self._addresses(params, step)
+        host_values = self._host_values(step)
         if addresses != self.addresses or host_values != self.host_values:
             self.graphs = {}
             self.addresses = addresses
             self.host_values = host_values
             self._lay_out_state(params)
         if self.base_lr is None:
-            self.base_lr = torch.empty(1, dtype=torch.float32, device=opt.device)
-        self.base_lr.fill_(opt.base_lr)
-        if opt._cms is not None and not opt.use_preprocessing:
+            self.base_lr = torch.empty(1, dtype=torch.float32, device=self.device)
+        self.base_lr.fill_(step.base_lr)
+        cms = self.cms
+        if cms is not None and not cms.use_preprocessing:
             # the legacy network's context [t / 1000, base_lr, ...] reads both in memory
             if self.context is None:
-                self.context = torch.empty(2, dtype=torch.float64, device=opt.device)
+                self.context = torch.empty(2, dtype=torch.float64, device=self.device)
             self.context[0].fill_(float(t))
-            self.context[1].fill_(opt.base_lr)
+            self.context[1].fill_(step.base_lr)
         # One graph per kind of step: controller or not, and (CMS) which levels fire. A step
         # that trains the DirectUpdateMLP (Phase 1: torch ops and torch's Adam, eager) replays
         # two: the statistics and control, whose clip coefficient and skip flag Phase 1 reads,
         # then Phase 2.
-        written = (params, self.static_grads if opt._cms is None else ())
+        written = (params, self.static_grads if cms is None else ())
         before_write(*written)
-        fires = None if opt._cms is None else tuple(opt._cms.fires(t))
-        if opt._cms is not None and opt._phase1_due(t):
-            self._replay(("head", update), lambda: self._captured_head(t, update))
+        fires = None if cms is None else tuple(cms.state.fires(t))
+        update = step.update
+        if cms is not None and cms.phase1_due(step):
+            self._replay(("head", update), lambda: self._captured_head(step))
             try:
-                opt._phase1(t)
-                self._replay(("tail", fires), lambda: self._captured_tail(t))
+                cms.phase1(step)
+                self._replay(("tail", fires), lambda: self._captured_tail(step))
             except Exception:
-                opt._undo_control()  # refused after the control op ran: the step did not happen
+                self.control.undo()  # refused after the control op ran: the step did not happen
                 raise
         else:
-            self._replay((update, fires), lambda: (self._captured_head(t, update),
-                                                   self._captured_tail(t)))
+            self._replay((update, fires), lambda: (self._captured_head(step),
+                                                   self._captured_tail(step)))
         # a replay writes what the eager step's calls mark (parameters; gradients zeroed on a
         # skip in AdamW mode)
         mark_written(*written)
@@ -160,11 +168,10 @@ class GraphState:
         layout) moved into its layout now, eagerly: the update would move it itself (values
         kept), but inside a capture that copy would be captured and every replay would repeat
         it, from the old buffer."""
-        opt = self.opt
-        if opt._cms is not None:
-            opt._cms.lay_out_all()
+        if self.cms is not None:
+            self.cms.state.lay_out_all()
             return
-        state = opt.base_optimizer.state
+        state = self.params.base.state
         for p in params:
             entries = state.get(p)
             if isinstance(entries, dict):
@@ -182,18 +189,18 @@ class GraphState:
                 self.captured = True
             graph.replay()  # capture records without running: replay at once (B8 fixed)
 
-    def _captured_head(self, t, update):
+    def _captured_head(self, step):
         """The statistics and the control op: learning rates, clip coefficient, skip flag."""
-        opt = self.opt
-        opt._run_norms(update)
-        opt._control(t, update, check_loss=True, base_lr=1.0)
-        opt._lr.mul_(self.base_lr)  # base_lr schedules reach the graph through a tensor
+        control = self.control
+        control.run_norms(step.update)
+        control.control(step.t, step.update, True, step.controller, 1.0, step.max_grad_norm)
+        control.lr.mul_(self.base_lr)  # base_lr schedules reach the graph through a tensor
 
-    def _captured_tail(self, t):
+    def _captured_tail(self, step):
         """The update: CMS Phase 2, or AdamW."""
-        opt = self.opt
-        if opt._cms is not None:
-            opt._cms_phase2(t, context=self.context)
+        if self.cms is not None:
+            self.cms.phase2(step, context=self.context)
         else:
-            opt.base_optimizer._fused_step(lr=opt._lr, grad_scale=opt._coef, skip=opt.skipped,
-                                           zero_grads_on_skip=True)
+            control = self.control
+            adamw_step(self.params.base, lr=control.lr, grad_scale=control.coef,
+                       skip=control.skipped, zero_grads_on_skip=True)

@@ -2,7 +2,7 @@
 results, same checkpoints) with the step run by the C core.
 
 Specification: docs/deep_nested_optimizer.md (section numbers below refer to it); the
-executable spec is titanmac_c._reference_dno. One step in AdamW mode is three calls into C:
+executable spec is titanmac_c.testing.reference_dno. One step in AdamW mode is three calls into C:
 
   1. tm_norms         one pass over the gradients (and, on controller steps, the parameters):
                       per-group and global norms, pre-clip (spec 3, 8)
@@ -24,7 +24,7 @@ meta-updates train them with torch autograd, as the reference does.
 
 CMS mode (use_cms_updates=True, spec 7): the same statistics/control calls, then Phase 1 (the
 surrogate training of DirectUpdateMLP every 5 steps: its gradient from the C core on the CPU,
-tm_cms_surrogate, and from the same algorithm in torch ops on CUDA, _surrogate.py, no autograd
+tm_cms_surrogate, and from the same algorithm in torch ops on CUDA, surrogate.py, no autograd
 and no host read; the reference's clip and Adam step) and Phase 2 as one call of the C core
 (tm_cms_step: accumulation, level firings, EMAs, the momentum network per element or per
 tensor, the clamp, the NaN skips, the sqrt(n) combination, weight decay and the update; its
@@ -32,18 +32,50 @@ checks run first on a Phase 1 step, tm_cms_check, so a refused step trains nothi
 buffers exist only in
 CMS mode.
 
-Layout: this file holds the constructor, the public surface and the step's order;
-_dno_args.py the constructor's checks, _dno_checkpoint.py state_dict / load_state_dict,
-_dno_control.py the statistics and control calls, _dno_meta.py the meta-learning, _cms.py the
-CMS mode, _dno_graph.py the CUDA-graph mode.
+Layout: this file holds the constructor, the public surface and the order of a step, composing
+its parts as objects with explicit fields: GroupedParams and NetworkWeights (params.py, the tensors
+the C calls read), Control (control.py, the statistics and the control op, with the device
+buffers), CMSMode (cms.py, with CMSState of cms_state.py), GraphState (graph.py); meta.py holds the
+meta-learning step, checkpoint.py the checkpoint checks, args.py the constructor's checks and the
+StepInputs every part of a step reads, nets.py the networks shared with the reference.
 """
 
+import copy
 import math
 import warnings
 
 import torch
 
 from .._internal import profiling as prof
+from .._internal.norm_calls import real_views, scale_grads
+from .._internal.runtime import as_number, eager_only
+from .._internal.step_hooks import has_step_hooks, tell_schedulers_stepped, with_step_hooks
+from ..optim.adamw import AdamW, adamw_step
+from .args import (
+    StepInputs,
+    check_c_limits,
+    check_float,
+    check_frequencies,
+    check_grouped,
+    check_int,
+    check_loss_value,
+    check_rate_range,
+    loss_in_float32_range,
+    model_device,
+)
+from .checkpoint import CheckedCheckpoint, meta_histories, module_state, uncompiled
+from .cms import CMSMode, init_output_on_sign
+from .cms_state import CMSState
+from .control import Control
+from .graph import GraphState
+from .meta import (
+    CURRENT,
+    clip_of_current_gradients,
+    host_float,
+    mark_clipped_gradients,
+    meta_step,
+    validation_batch,
+)
 from .nets import (
     DIRECT_MLP_MAX_HIDDEN,
     IMPROVEMENT_THRESHOLD,
@@ -55,35 +87,15 @@ from .nets import (
     NestedController,
     SimplifiedMetaTrainer,
     UnrolledMetaTrainer,
-    model_n_layers,
+    default_loss_fn,
     group_moe_params,
     infer_param_depth,
+    model_n_layers,
 )
-from .graph import GraphState
-from .cms import CMSModeMixin, init_output_on_sign
-from .cms_state import CMSState
-from .args import (
-    check_c_limits,
-    check_float,
-    check_frequencies,
-    check_grouped,
-    check_int,
-    check_loss_value,
-    check_rate_range,
-    loss_in_float32_range,
-    model_device,
-)
-from .checkpoint import CheckpointMixin
-from .control import ControlStepMixin, GroupWatch
-from .meta import MetaLearningMixin
-from .._internal.step_hooks import has_step_hooks, with_step_hooks
-from .._internal.runtime import Scratch, as_number, eager_only
-from .._internal.norm_calls import real_views, scale_grads
-from ..optim.adamw import AdamW
+from .params import GroupedParams, NetworkWeights
 
 
-class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin, MetaLearningMixin,
-                          CheckpointMixin):
+class DeepNestedOptimizer:
     """Drop-in for titans_core.opt.DeepNestedOptimizer (constructor of spec 2.1): AdamW over the
     model's two parameter groups (core, embed) whose learning rates a small controller network
     sets each step from gradient statistics, with global-norm clipping and a NaN guard; with
@@ -158,14 +170,11 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin, MetaLearningMixin,
         Returns the groups' parameter names."""
         groups, group_names = group_moe_params(model)
         check_grouped(groups, group_names, self.device, self.use_cms_updates)
-        self._param_names = {p: name for group, names in zip(groups, group_names)
-                             for p, name in zip(group["params"], names)}
-        # model parameters outside the groups: their gradients count in the clip norm (spec 8);
-        # found at the first step and again after the model is edited
-        self._ungrouped = []
-        self._watch_model_afresh()
-        self._group_watch = GroupWatch()
         self.base_optimizer = AdamW(groups, lr=self.base_lr, weight_decay=self.weight_decay)
+        self._params = GroupedParams(model, self.base_optimizer, {
+            p: name for group, names in zip(groups, group_names)
+            for p, name in zip(group["params"], names)})
+        self._weights = NetworkWeights()
         if self.use_preprocessing:
             mlp = DirectUpdateMLP(hidden_dim=min(self.momentum_hidden_dim, DIRECT_MLP_MAX_HIDDEN),
                                   num_layers=self.momentum_num_layers)
@@ -188,28 +197,18 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin, MetaLearningMixin,
         if self.fix_reference_bugs and self.use_preprocessing:
             init_output_on_sign(self.momentum_mlp)
         self.state = self._cms.public_view() if self._cms is not None else {}
-        self._mlp_output_history = {}  # tensor index -> last Phase-1 output (checkpointed)
-        # How Phase 1 runs: on the CPU its gradient comes from the C core's op, and a step the
-        # device-side guard skipped is seen on the host (a free read there), so Phase 1 skips it
-        # as the reference's does; on CUDA the same algorithm runs in torch ops (with chunk plans
-        # for the selected sizes) and a skipped step's targets count as zero (no host read). The
-        # tests set it False to run CUDA's way on the CPU.
-        self._phase1_cpu_path = self.device.type == "cpu"
-        self._phase1_plans = {}
-        self._last_surrogate_loss = None
-        self._cms_scratch = Scratch()
-        self._cms_relaid = False  # the last Phase 2 laid gradients out (_cms._cms_phase2)
         return group_names
 
     def _init_step_state(self, model, group_names, use_gradient_checkpointing, use_cuda_graph):
-        """What the steps keep: counters, the meta trainers, the groups' depths, and the device
-        buffers the C core reads and writes in place (fixed addresses: graph-safe)."""
+        """What the steps keep: counters, the meta trainers, the groups' depths, and the parts
+        that hold the device buffers the C core reads and writes in place (fixed addresses:
+        graph-safe)."""
         self.global_step = 0
         self.last_meta_loss = None
         self.controller_grad_norm = 0.0
         self._stored_loss = None
         self._warned_no_loss = False
-        self._clip_mark = None  # see _mark_clipped_gradients
+        self._clip_mark = None  # see meta.mark_clipped_gradients
         self._clipped_in_place = False  # this step clipped the gradients in memory (hooks)
         self._updated = False  # this step's update has run
         self.meta_trainer = SimplifiedMetaTrainer(window_size=self.meta_update_freq,
@@ -220,19 +219,32 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin, MetaLearningMixin,
         depths = [sum(infer_param_depth(n, n_layers) for n in names) / len(names) if names
                   else 0.5 for names in group_names]
         self.group_depths = torch.tensor(depths, dtype=torch.float32, device=self.device)
-        f32 = dict(dtype=torch.float32, device=self.device)
-        self._lr_multipliers = torch.ones(N_GROUPS, **f32)
-        self.ema_loss = torch.zeros(N_GROUPS, **f32)
-        self._norms = torch.zeros(2 * N_GROUPS + 1, **f32)  # group grad | group param | total
-        self._loss = torch.zeros(1, **f32)
-        self._lr = torch.full((N_GROUPS,), self.base_lr, **f32)
-        self._coef = torch.ones(1, **f32)
-        self.skipped = torch.zeros(1, **f32)  # 1.0 after a step the device-side guards skipped
-        # mu | ema | lr | coef | skip as the last control op found them: a step refused after it
-        # is undone from here
-        self._control_previous = torch.zeros(2 * N_GROUPS + 4, **f32)
-        self._graph = GraphState(self) if use_cuda_graph else None
-        self.use_cuda_graph = self._graph is not None and self._graph.supported()
+        self._control = Control(self.device, self._params, self._weights, self.group_depths,
+                                self.controller_hidden_dim, self.controller_num_layers,
+                                self.fix_reference_bugs, self.base_lr)
+        # the reference's attributes, the control op's buffers themselves
+        self.ema_loss = self._control.ema_loss
+        self.skipped = self._control.skipped  # 1.0 after a step the device-side guards skipped
+        self._cms_mode = None if self._cms is None else CMSMode(
+            self.device, self._params, self._weights, self._control, self._cms,
+            use_preprocessing=self.use_preprocessing, hidden=self.momentum_hidden_dim,
+            layers=self.momentum_num_layers, cms_frequencies=self.cms_frequencies,
+            fix_reference_bugs=self.fix_reference_bugs)
+        self._graph = self._graph_state() if use_cuda_graph else None
+        if self._graph is not None and not self._graph.supported():
+            self._graph = None
+        self.use_cuda_graph = self._graph is not None
+
+    def _graph_state(self):
+        """A GraphState over this optimizer's parts (CUDA-graph mode)."""
+        return GraphState(self.device, self._params, self._weights, self._control,
+                          self._cms_mode, self.cuda_graph_warmup_steps)
+
+    def _inputs(self, t, update=False):
+        """This step's StepInputs: the attributes every part of it reads, taken once."""
+        return StepInputs(t, update, self.base_lr, self.max_grad_norm, self.weight_decay,
+                          self.controller, self.momentum_mlp, self.mlp_optimizer,
+                          self.mlp_train_freq)
 
     # ------------------------------------------------------------------ spec 12, small methods
 
@@ -261,11 +273,22 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin, MetaLearningMixin,
     def get_lr_multipliers(self):
         """The controller's learning-rate multipliers of the last step, one per group (a copy of
         the device tensor)."""
-        return self._lr_multipliers.clone()
+        return self._control.lr_multipliers.clone()
 
     def get_effective_lrs(self):
         """base_lr times each group's multiplier, as floats (a host read)."""
-        return [self.base_lr * m for m in self._lr_multipliers.tolist()]
+        return [self.base_lr * m for m in self._control.lr_multipliers.tolist()]
+
+    def get_momentum_stats(self):
+        """Norms of every (tensor, level) momentum (one host sync). AdamW mode keeps no momentum
+        buffers: the reference's all-zero ones give 0."""
+        norms = self._cms_mode.momentum_norms() if self._cms_mode is not None else []
+        if not norms:
+            return {"momentum_total_norm": 0.0, "momentum_avg_norm": 0.0,
+                    "global_step": self.global_step}
+        total = torch.stack(norms).sum().item()
+        return {"momentum_total_norm": total, "momentum_avg_norm": total / len(norms),
+                "global_step": self.global_step}
 
     # ------------------------------------------------------------------ spec 5, the step
 
@@ -273,56 +296,59 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin, MetaLearningMixin,
     def step(self, loss_value=None):
         """One step. loss_value: a float or a 0-d tensor (no .item() needed: a non-finite tensor
         loss is caught on the device). Returns the reference's dict."""
-        self._check_group_count()
+        self._params.check_group_count()
         loss = self._take_loss(loss_value)
         t = self.global_step + 1
+        control = self._control
         if not isinstance(loss, torch.Tensor) and not math.isfinite(loss):
             self.global_step = t
             warnings.warn(f"DeepNestedOptimizer step {t}: non-finite loss ({loss}), skipping")
             self.base_optimizer.zero_grad(set_to_none=self._graph is None
                                           or not self._graph.captured)
-            return {"global_step": t, "lr_multipliers": self._lr_multipliers.tolist(),
+            return {"global_step": t, "lr_multipliers": control.lr_multipliers.tolist(),
                     "skipped": True, "reason": "nan_loss"}
         with torch.no_grad():
             if isinstance(loss, torch.Tensor):  # one that cannot be read raises: no step yet
-                self._loss.copy_(loss_in_float32_range(loss.detach().reshape(1)))
+                control.loss.copy_(loss_in_float32_range(loss.detach().reshape(1)))
             else:  # a finite float beyond float32's range: its largest value, as a step goes on
-                self._loss.fill_(loss_in_float32_range(loss))
+                control.loss.fill_(loss_in_float32_range(loss))
             self.global_step = t
-            update = t % self.controller_update_freq == 0 or t == 1
+            step = self._inputs(t, t % self.controller_update_freq == 0 or t == 1)
             self._clipped_in_place = False
             self._updated = False  # whether this step's update ran (a post-hook may raise after)
             try:
                 with prof.step_range(prof.STEP):
-                    if self._graph is None or not self._graph.step(t, update):
-                        self._eager_step(t, update, isinstance(loss, torch.Tensor))
+                    if self._graph is None or not self._graph.step(step):
+                        self._eager_step(step, isinstance(loss, torch.Tensor))
             except Exception:
                 if self._updated:
                     raise
                 # Refused before the update wrote anything (the C core names a tensor it
                 # refuses; the control op's outputs are undone): the step did not happen.
                 self.global_step = t - 1
-                self._raise_if_sparse()
+                self._params.raise_if_sparse()
                 raise
         # gradients clipped in memory (step hooks) carry no pending coefficient
-        self._clip_mark = None if self._clipped_in_place else self._mark_clipped_gradients()
+        self._clip_mark = None if self._clipped_in_place else mark_clipped_gradients(
+            self.max_grad_norm, self.base_optimizer.param_groups)
         if self._cms is None:
             # the reference's AdamW mode steps through base_optimizer.step(), which a torch LR
             # scheduler attached to it watches (else it warns "lr_scheduler.step() before
             # optimizer.step()"); ours calls the fused step directly, so it says so itself
-            self.base_optimizer._opt_called = True
+            tell_schedulers_stepped(self.base_optimizer)
         if self.mode == "simple" and t % self.meta_update_freq == 0:
             # Host logic every meta_update_freq steps; a step the guard skipped gets no meta update,
             # as in the reference, whose skip returns before it.
             if float(self.skipped) == 0.0:
-                clipped = self._coef if self.max_grad_norm > 0 and not self._clipped_in_place \
+                clipped = control.coef if self.max_grad_norm > 0 and not self._clipped_in_place \
                     else None
                 with prof.step_range(prof.META):
                     self._update_meta_components(loss, clipped)
-        result = {"global_step": t, "lr_multipliers": self._lr_multipliers.clone(),
+        result = {"global_step": t, "lr_multipliers": control.lr_multipliers.clone(),
                   "ema_loss": self.ema_loss.clone()}
-        if self._last_surrogate_loss is not None:
-            result["surrogate_loss"] = self._last_surrogate_loss  # stale after its step, as ref
+        surrogate_loss = self._cms_mode.last_surrogate_loss if self._cms_mode else None
+        if surrogate_loss is not None:
+            result["surrogate_loss"] = surrogate_loss  # stale after its step, as the reference's
         return result
 
     def _take_loss(self, loss_value):
@@ -335,29 +361,30 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin, MetaLearningMixin,
             return 0.0
         return check_loss_value(loss)
 
-    def _eager_step(self, t, update, check_loss):
+    def _eager_step(self, step, check_loss):
+        control = self._control
         with prof.step_range(prof.STATS):
-            planned_grads = self._run_norms(update)
+            planned_grads = control.run_norms(step.update)
         with prof.step_range(prof.CONTROLLER):
-            self._control(t, update, check_loss)
+            control.control(step.t, step.update, check_loss, step.controller, step.base_lr,
+                            step.max_grad_norm)
         try:
-            if self._cms is not None:
-                self._phase1(t)
+            if self._cms_mode is not None:
+                self._cms_mode.phase1(step)
                 with prof.step_range(prof.CMS):
-                    self._cms_phase2(t)
+                    self._cms_mode.phase2(step)
             else:
                 with prof.step_range(prof.UPDATE):
                     if has_step_hooks(self.base_optimizer):
                         self._adamw_update_with_hooks()
                     else:
-                        self.base_optimizer._fused_step(lr=self._lr, grad_scale=self._coef,
-                                                        skip=self.skipped,
-                                                        zero_grads_on_skip=True,
-                                                        planned_grads=planned_grads)
+                        adamw_step(self.base_optimizer, lr=control.lr, grad_scale=control.coef,
+                                   skip=control.skipped, zero_grads_on_skip=True,
+                                   planned_grads=planned_grads)
         except Exception as err:  # a refusal, or a malformed state entry found before a write
             if not self._updated:
-                self._undo_control()
-            self._name_group_positions(err)
+                control.undo()
+            self._params.name_group_positions(err)
             raise
         self._updated = True
 
@@ -370,25 +397,26 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin, MetaLearningMixin,
         An update the C core then refuses (a parameter resized since its state) leaves the
         gradients clipped, as the reference's would be."""
         base = self.base_optimizer
+        control = self._control
         if float(self.skipped) != 0.0:
-            base._fused_step(lr=self._lr, skip=self.skipped, zero_grads_on_skip=True)
+            adamw_step(base, lr=control.lr, skip=control.skipped, zero_grads_on_skip=True)
             return
         if self.max_grad_norm > 0:
-            grads, params = self._gather(with_params=True)[:2]
+            grads, params = self._params.gather(with_params=True)[:2]
             # as the C core's clip where it can, strided slices by torch's mul_ (functional's),
             # complex gradients as their real views (a real factor scales both parts)
             grads = real_views("parameters", grads, 2.0)
             try:
-                scale_grads(self.device, list(range(len(grads))), grads, self._coef)
+                scale_grads(self.device, list(range(len(grads))), grads, control.coef)
             except (RuntimeError, BufferError, ValueError, TypeError) as err:
-                self._raise_by_name(err, params)
+                self._params.raise_by_name(err, params)
             self._clipped_in_place = True
         kept = [group["lr"] for group in base.param_groups]
-        for group, mu in zip(base.param_groups, self._lr_multipliers.tolist()):
+        for group, mu in zip(base.param_groups, control.lr_multipliers.tolist()):
             group["lr"] = self.base_lr * mu
 
         def update():  # by the groups' lr, as a pre-hook leaves them
-            base._fused_step()
+            adamw_step(base)
             self._updated = True
 
         try:
@@ -396,3 +424,107 @@ class DeepNestedOptimizer(CMSModeMixin, ControlStepMixin, MetaLearningMixin,
         finally:
             for group, lr in zip(base.param_groups, kept):
                 group["lr"] = lr
+
+    # ------------------------------------------------------------------ spec 9, meta-learning
+
+    def _update_meta_components(self, loss_value, grad_scale=CURRENT):
+        """Spec 9.2 (meta.meta_step). Some callers call this directly after step() (spec 12):
+        the gradients are then the clipped ones in the reference, hence the default grad_scale:
+        the clip of the current gradients, while they are the last step's."""
+        if grad_scale is CURRENT:
+            grad_scale = clip_of_current_gradients(self._clip_mark, self._control)
+        self.last_meta_loss, self.controller_grad_norm = meta_step(
+            self._control, self._cms_mode, loss_value, grad_scale,
+            self._inputs(self.global_step), self.meta_trainer, self.meta_optimizer)
+
+    @eager_only
+    def meta_update(self, val_batch, train_batches=None, loss_fn=None, use_unrolled=True):
+        """Spec 9.4, simplified branch: the controller and the momentum network learn from the
+        loss on val_batch (loss_fn(model, batch); by default model(batch)'s "loss" entry, else
+        its "total", else the output itself; a dict batch's tensors cut to their first 4 rows
+        when its "input_ids" has more, as the reference). The reference takes its unrolled
+        branch when use_unrolled and train_batches holds at least k_unroll batches; that branch
+        is broken in the reference (B3) and raises NotImplementedError here. With fewer batches
+        (or none) both take the simplified branch."""
+        loss_fn = loss_fn or default_loss_fn
+        if use_unrolled and train_batches is not None and len(train_batches) >= self.k_unroll:
+            raise NotImplementedError(
+                "meta_update(use_unrolled=True): the reference's unrolled meta-gradient is "
+                "broken (spec 14, B3); call meta_update(..., use_unrolled=False)")
+        val_batch = validation_batch(val_batch)
+        with torch.enable_grad():
+            val_loss = loss_fn(self.model, val_batch)
+        val_loss = host_float(val_loss)
+        self.zero_grad(set_to_none=True)
+        self._update_meta_components(val_loss, grad_scale=None)
+
+    # ------------------------------------------------------------------ checkpoints (appendix A)
+
+    def state_dict(self):
+        """The reference's layout (spec appendix A), for torch.save: the AdamW state, both
+        networks and the meta-optimizer, the step count, the multipliers and loss EMA, and in
+        CMS mode cms_state ({tensor index: {level: buffers}}). Two keys the reference's lack,
+        'meta_trainer' and 'mlp_output_history', hold the histories that steer the next
+        meta-update and Phase 1 step, so a resume is exact. Tensors by reference, as torch's
+        optimizers return them."""
+        base = self.base_optimizer.state_dict()
+        if self._cms is None:
+            # the reference's AdamW groups hold base_lr * mu_g of the last step (one host read
+            # here); in CMS mode it never writes them: base_lr
+            for group, lr in zip(base["param_groups"], self.get_effective_lrs()):
+                group["lr"] = lr
+        sd = {
+            "base_optimizer": base,
+            "momentum_mlp": module_state(self.momentum_mlp, self.use_compile),
+            "controller": module_state(self.controller, self.use_compile),
+            "meta_optimizer": self.meta_optimizer.state_dict(),
+            "global_step": self.global_step,
+            "lr_multipliers": self._control.lr_multipliers.clone(),
+            "ema_loss": self.ema_loss.clone(),
+            "cms_state": self._cms.state_dict() if self._cms is not None else {},
+            "meta_trainer": meta_histories(self.meta_trainer),
+            # Phase 1's last output per tensor (by reference, as the CMS buffers): at most
+            # SURROGATE_MAX_TENSORS of them, in CMS mode with the DirectUpdateMLP only
+            "mlp_output_history": (dict(self._cms_mode.output_history)
+                                   if self._cms_mode is not None else {}),
+        }
+        if self.mlp_optimizer is not None:
+            sd["mlp_optimizer"] = self.mlp_optimizer.state_dict()
+        return sd
+
+    def load_state_dict(self, state_dict):
+        """Loads ours or the reference's layout. Every part is checked before the first write
+        (CheckedCheckpoint), so a checkpoint that does not fit raises and leaves the optimizer
+        as it was (the reference loads part by part and stops half-loaded). Values are copied
+        into the existing device buffers (B10 fixed: nothing lands on the CPU, a captured graph
+        stays valid for the buffers, and is re-captured for the new AdamW state). cms_state is
+        ignored in AdamW mode (the reference's holds only zeros there); a checkpoint without the
+        histories leaves ours as they are, as the reference's load does."""
+        checked = CheckedCheckpoint(
+            state_dict, momentum_mlp=self.momentum_mlp, controller=self.controller,
+            meta_optimizer=self.meta_optimizer, mlp_optimizer=self.mlp_optimizer,
+            cms_state=self._cms, meta_window=self.meta_trainer.window_size, device=self.device)
+        self.base_optimizer.load_state_dict(state_dict["base_optimizer"])  # checks, then writes
+        self.momentum_mlp.load_state_dict(uncompiled(state_dict["momentum_mlp"]))
+        self.controller.load_state_dict(uncompiled(state_dict["controller"]))
+        # deep copies: torch's load keeps a tensor already on the right device, so an in-memory
+        # state_dict would leave two optimizers stepping one Adam state
+        self.meta_optimizer.load_state_dict(copy.deepcopy(state_dict["meta_optimizer"]))
+        if self.mlp_optimizer is not None and "mlp_optimizer" in state_dict:
+            self.mlp_optimizer.load_state_dict(copy.deepcopy(state_dict["mlp_optimizer"]))
+        self.global_step = checked.global_step
+        with torch.no_grad():
+            self._control.lr_multipliers.copy_(checked.multipliers)
+            self.ema_loss.copy_(checked.ema)
+        if self._cms is not None:
+            cms_state = state_dict.get("cms_state", {})
+            if not cms_state:  # AdamW mode's (ours saves {}): as the reference's all-zero one
+                self._cms.reset()
+            self._cms.load_state_dict(cms_state)
+        if checked.meta is not None:
+            for name, values in checked.meta.items():
+                setattr(self.meta_trainer, name, values)
+        if checked.outputs is not None:
+            self._cms_mode.output_history = checked.outputs
+        if self._graph is not None:
+            self._graph.reset()

@@ -114,7 +114,7 @@ class AdamW(Optimizer):
         self._scratch_bytes = {}  # (device, amsgrad, count) -> bytes the C core asked for
         self._hparams = Hyperparameters()  # the groups' values as each step hands them over
         self._pending_clip = PendingClip()  # clip_grad_norm_'s coefficient for the next step()
-        self._plan = None  # _flat.Plan of the last full step, when it can be reused
+        self._plan = None  # batching.Plan of the last full step, when it can be reused
         # GradScaler hands grad_scale and found_inf to step() (AmpScaling) instead of unscaling
         # and reading found_inf on the host only for an optimizer that says so: as torch's, one
         # built with fused=True. Frameworks that refuse to clip such an optimizer under mixed

@@ -8,7 +8,7 @@ import torch
 
 from .state import STATE_KEYS, malformed_state, step_count
 from .._internal.distributed import dtensor_type, local_of, localize, refuse_plain_with_dtensor
-from .._internal.runtime import (COMPLEX_DTYPES, dense_order, in_layout_of, is_expanded,
+from .._internal.runtime import (COMPLEX_DTYPES, in_layout_of, is_expanded,
                                 is_strided_only, real_view)
 
 _IS_NONE = functools.partial(operator.is_, None)
