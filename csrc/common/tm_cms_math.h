@@ -33,10 +33,8 @@
 #include <string.h>
 
 #include "tm_math.h"
-#include "titanmac.h" /* TM_CMS_MAX_LEVELS, TM_CMS_MAX_LAYERS */
+#include "titanmac.h" /* tm_cms_args and the CMS size limits */
 
-#define TM_CMS_DIRECT_MAX_HIDDEN 20 /* DirectUpdateMLP: H = min(momentum_hidden_dim, 20) */
-#define TM_CMS_LEGACY_MAX_HIDDEN 256
 #define TM_CMS_DIRECT_IN 4
 #define TM_CMS_LEGACY_IN 9
 #define TM_CMS_LEGACY_OUT 3

@@ -208,13 +208,6 @@ tm_norm_finish(double reduced, double p)
 
 /* ---------------------------------------------------------------- DeepNestedOptimizer ---- */
 
-/* Bounds of the controller (validated by core/): the CUDA kernel runs one block with one thread
- * per hidden unit (at most 1,024 threads) and keeps two activation rows in shared memory, and it
- * takes every weight pointer as a kernel parameter (2 * (layers + 1) of them, under 4 KB). The
- * CPU loop keeps the same two rows on its stack. */
-#define TM_DNO_MAX_HIDDEN 1024
-#define TM_DNO_MAX_LAYERS 128
-
 /* a * b and a + b rounded once each, never contracted into an FMA (nvcc contracts by default;
  * ISO C on the host does not): torch computes the DNO's scalar expressions one op at a time. */
 TM_HOST_DEVICE float

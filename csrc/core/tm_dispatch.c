@@ -4,8 +4,9 @@
  * tensors' device: cpu_<op> (cpu/) or cuda_<op> (cuda/), as TransformerEngine's common/ API
  * routes to its kernels.
  *
- * This is the only place outside cuda/ that knows whether CUDA was compiled in (TM_WITH_CUDA);
- * without it a call on CUDA tensors passes validation and then fails with TM_ERR_UNSUPPORTED.
+ * With tm_scratch.c (the *_scratch_bytes functions) this is the only place outside cuda/ that
+ * knows whether CUDA was compiled in (TM_WITH_CUDA); without it a call on CUDA tensors passes
+ * validation and then fails with TM_ERR_UNSUPPORTED.
  */
 #include "../common/tm_status.h"
 #include "../cpu/cpu_ops.h"
@@ -15,11 +16,9 @@
 #include "../cuda/cuda_ops.h"
 #define TM_CUDA_COMPILED 1
 #define TM_ON_CUDA(call, ref) (call)
-#define TM_CUDA_BYTES(call) (call)
 #else
 #define TM_CUDA_COMPILED 0
 #define TM_ON_CUDA(call, ref) no_cuda(ref)
-#define TM_CUDA_BYTES(call) ((size_t)0)
 
 static tm_status
 no_cuda(const tm_device_ref *ref)
@@ -31,27 +30,10 @@ no_cuda(const tm_device_ref *ref)
 }
 #endif
 
-/* Where scratch must be sized before validation: the device of the lead list's first tensor. */
-static int
-list_on_cuda(const tm_tensor_list *list)
-{
-    return list != NULL && list->count > 0 && list->tensors != NULL &&
-           list->tensors[0].device_type == TM_DEVICE_CUDA;
-}
-
 static int
 on_cuda(const tm_device_ref *ref)
 {
     return ref->tensor != NULL && ref->tensor->device_type == TM_DEVICE_CUDA;
-}
-
-size_t
-tm_norms_scratch_bytes(const tm_tensor_list *grads, const tm_tensor_list *params)
-{
-    if (list_on_cuda(grads)) {
-        return TM_CUDA_BYTES(cuda_norms_scratch_bytes(grads, params));
-    }
-    return cpu_norms_scratch_bytes(grads, params);
 }
 
 tm_status
@@ -92,15 +74,6 @@ tm_scale(const tm_tensor_list *tensors, const tm_tensor *scale, const tm_exec *e
     return cpu_scale(tensors, scale, exec);
 }
 
-size_t
-tm_adamw_scratch_bytes(const tm_adamw_tensors *t)
-{
-    if (t != NULL && list_on_cuda(&t->params)) {
-        return TM_CUDA_BYTES(cuda_adamw_scratch_bytes(t));
-    }
-    return 0; /* the CPU loop needs no scratch */
-}
-
 tm_status
 tm_adamw_step(const tm_adamw_tensors *t, const tm_adamw_args *args, const tm_adamw_inputs *in,
               const tm_exec *exec)
@@ -112,15 +85,6 @@ tm_adamw_step(const tm_adamw_tensors *t, const tm_adamw_args *args, const tm_ada
         return TM_ON_CUDA(cuda_adamw_step(t, args, in, exec), &ref);
     }
     return cpu_adamw_step(t, args, in, exec);
-}
-
-size_t
-tm_cms_scratch_bytes(const tm_tensor_list *params, int32_t levels, tm_cms_net net)
-{
-    if (list_on_cuda(params)) {
-        return TM_CUDA_BYTES(cuda_cms_scratch_bytes(params, levels, net));
-    }
-    return cpu_cms_scratch_bytes(params, levels, net);
 }
 
 tm_status
@@ -143,12 +107,6 @@ tm_cms_check(const tm_cms_tensors *t, const tm_cms_args *args, const tm_cms_inpu
     tm_device_ref ref;
     tm_clear_error();
     return tm_validate_cms(t, args, in, exec, &ref);
-}
-
-size_t
-tm_cms_surrogate_scratch_bytes(const tm_tensor_list *targets, int32_t layers)
-{
-    return list_on_cuda(targets) ? 0 : cpu_cms_surrogate_scratch_bytes(targets, layers);
 }
 
 tm_status

@@ -8,7 +8,7 @@
 #define TM_ROLES_H
 
 #include "../common/tm_tensor.h"
-#include "tm_validate.h"
+#include "titanmac.h"
 
 enum {
     TM_ROLE_LONE = 1u,    /* one tensor, named without an index; skipped while not given */
@@ -23,6 +23,12 @@ enum {
                             index: any order (implies TM_ROLE_ANY_ORDER), but the lead's
                             (tm_same_order) */
 };
+
+/* The tensor whose device a call runs on, and its name for messages ("params[0]"). */
+typedef struct {
+    const tm_tensor *tensor;
+    char label[TM_LABEL_TEXT];
+} tm_device_ref;
 
 typedef struct {
     tm_tensor_list list; /* a lone tensor is a list of one */

@@ -12,13 +12,8 @@
 #ifndef TM_VALIDATE_H
 #define TM_VALIDATE_H
 
-#include "../common/tm_tensor.h"
 #include "titanmac.h"
-
-typedef struct {
-    const tm_tensor *tensor;
-    char label[TM_LABEL_TEXT];
-} tm_device_ref;
+#include "tm_roles.h"
 
 tm_status tm_validate_norms(const tm_tensor_list *grads, const tm_tensor_list *params,
                             const tm_norms_args *args, const tm_norms_out *out, const tm_exec *exec,

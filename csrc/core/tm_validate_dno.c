@@ -9,7 +9,6 @@
 #include <float.h>
 #include <math.h>
 
-#include "../common/tm_math.h"
 #include "../common/tm_status.h"
 #include "tm_roles.h"
 #include "tm_validate.h"

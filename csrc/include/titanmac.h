@@ -1,6 +1,6 @@
 /*
- * titanmac.h -- the public C API of titanmac_c, with titanmac_cms.h (the CMS ops, included at
- * the end).
+ * titanmac.h -- the public C API of titanmac_c: the types every op shares (titanmac_base.h), the
+ * CMS ops (titanmac_cms.h) and the others, declared here; including this file gives all of it.
  *
  * The inside of an optimizer step as a few fused passes over lists of tensors:
  *   tm_norms       per-group and global p-norms of gradients (and of parameters) + non-finite flag
@@ -35,73 +35,12 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "titanmac_base.h"
+#include "titanmac_cms.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
-
-/* ---------------------------------------------------------------- status ---- */
-
-typedef enum {
-    TM_OK = 0,
-    /* the Python binding raises the exception after the arrow (Error: titanmac_c.Error) */
-    TM_ERR_VALUE = 1,       /* bad hyperparameter, count or size mismatch       -> ValueError  */
-    TM_ERR_TYPE = 2,        /* an argument of the wrong kind                     -> TypeError   */
-    TM_ERR_BUFFER = 3,      /* unusable tensor (dtype/device/layout/read-only)   -> BufferError */
-    TM_ERR_UNSUPPORTED = 4, /* valid, but this build cannot run it (no CUDA)     -> Error */
-    TM_ERR_CUDA = 5,        /* CUDA runtime failure                              -> Error */
-    TM_ERR_INTERNAL = 6     /* a bug in titanmac_c                               -> Error */
-} tm_status;
-
-/* Message of the last failing call on this thread ("" when none). Valid until the next call. */
-const char *tm_last_error(void);
-
-/* ---------------------------------------------------------------- tensors ---- */
-
-/* TM_FLOAT64 is taken by the norms, clipping and AdamW (computed in double, as torch computes
- * float64 tensors) and as params and grads of the CMS ops (float32 math and state, as the
- * reference's; the accumulate and the parameter step in double); the DeepNestedOptimizer's
- * control op refuses it. */
-typedef enum { TM_FLOAT32 = 0, TM_FLOAT16 = 1, TM_BFLOAT16 = 2, TM_FLOAT64 = 3 } tm_dtype;
-#define TM_DTYPE_COUNT 4
-
-/* Values match DLPack's DLDeviceType so the importer needs no table. */
-typedef enum { TM_DEVICE_CPU = 1, TM_DEVICE_CUDA = 2 } tm_device_type;
-
-#define TM_TENSOR_READ_ONLY 1u /* the producer forbids writes (DLPack READ_ONLY flag) */
-
-/* numel elements that fill the memory from data on (DLPack data + byte_offset; NULL only if
- * numel == 0). shape == NULL: C-contiguous. Else the tensor is dense in another order of its
- * dimensions (channels_last, transposed; all strides of dimensions longer than 1 positive), and
- * shape/strides (ndim of each, strides in elements) say which: element-wise ops read it as numel
- * elements in memory order, which pairs its elements with another tensor's only when that one
- * lies in the same order (the roles' TM_ROLE_PAIRED check). The arrays are borrowed for the
- * call. */
-typedef struct {
-    void *data;
-    int64_t numel;
-    tm_dtype dtype;
-    tm_device_type device_type;
-    int32_t device_id;
-    uint32_t flags; /* TM_TENSOR_* */
-    int32_t ndim;
-    const int64_t *shape;
-    const int64_t *strides;
-} tm_tensor;
-
-/* A list of tensors playing one role. name ("params", "grads", ...) is used in messages. */
-typedef struct {
-    const char *name;
-    const tm_tensor *tensors;
-    int32_t count;
-} tm_tensor_list;
-
-/* Where and how to run. One device per call: the device of the tensors. */
-typedef struct {
-    void *stream;         /* cudaStream_t for CUDA tensors (NULL = legacy default); unused on CPU */
-    int32_t num_threads;  /* CPU worker threads; <= 0 means one */
-    void *scratch;        /* on the tensors' device (CPU: host); NULL if *_scratch_bytes() is 0 */
-    size_t scratch_bytes; /* at least what the op's *_scratch_bytes() asked for */
-} tm_exec;
 
 /* ---------------------------------------------------------------- norms ---- */
 
@@ -225,11 +164,18 @@ tm_status tm_adamw_step(const tm_adamw_tensors *t, const tm_adamw_args *args,
 
 /* ---------------------------------------------------------------- DeepNestedOptimizer ---- */
 
+/* Bounds of the controller: the CUDA kernel runs one block with one thread per hidden unit (at
+ * most 1,024 threads) and keeps two activation rows in shared memory, and it takes every weight
+ * pointer as a kernel parameter (2 * (layers + 1) of them, under 4 KB). The CPU loop keeps the
+ * same two rows on its stack. */
+#define TM_DNO_MAX_HIDDEN 1024
+#define TM_DNO_MAX_LAYERS 128
+
 /* Host settings of one DeepNestedOptimizer control step (spec deep_nested_optimizer.md 3-6). */
 typedef struct {
     int32_t num_groups;      /* G >= 1 */
-    int32_t hidden;          /* controller width H, 1..1024 (CUDA: one block, a thread per unit) */
-    int32_t layers;          /* controller hidden layers L, 1..128 (CUDA: weights as launch args) */
+    int32_t hidden;          /* controller width H, 1..TM_DNO_MAX_HIDDEN */
+    int32_t layers;          /* controller hidden layers L, 1..TM_DNO_MAX_LAYERS */
     int32_t update_controller; /* nonzero: stats + controller run (t % F_c == 0 or t == 1) */
     int32_t first_step;      /* nonzero when t == 1: the EMA starts at the loss */
     int32_t check_loss;      /* nonzero: a non-finite loss[0] skips the step (device-side guard) */
@@ -283,7 +229,5 @@ int tm_cuda_compiled(void);
 #ifdef __cplusplus
 }
 #endif
-
-#include "titanmac_cms.h"
 
 #endif /* TITANMAC_H */

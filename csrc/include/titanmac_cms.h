@@ -1,13 +1,16 @@
 /*
- * titanmac_cms.h -- the CMS ops of the C API (titanmac.h includes this file at its end): the
+ * titanmac_cms.h -- the CMS ops of the C API (titanmac.h includes this file): the
  * DeepNestedOptimizer's CMS update (Phase 2, tm_cms_step) and its DirectUpdateMLP's surrogate
- * training gradient (Phase 1, tm_cms_surrogate), spec deep_nested_optimizer.md 7. The contract
- * of titanmac.h holds for both.
+ * training gradient (Phase 1, tm_cms_surrogate), spec deep_nested_optimizer.md 7. The contract of
+ * titanmac.h holds for both.
  */
 #ifndef TITANMAC_CMS_H
 #define TITANMAC_CMS_H
 
-#include "titanmac.h"
+#include <stddef.h>
+#include <stdint.h>
+
+#include "titanmac_base.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -16,7 +19,9 @@ extern "C" {
 /* ---------------------------------------------------------------- CMS update ---- */
 
 #define TM_CMS_MAX_LEVELS 4
-#define TM_CMS_MAX_LAYERS 8 /* L: Linear+SiLU pairs of a momentum network */
+#define TM_CMS_MAX_LAYERS 8          /* L: Linear+SiLU pairs of a momentum network */
+#define TM_CMS_DIRECT_MAX_HIDDEN 20  /* DirectUpdateMLP: H = min(momentum_hidden_dim, 20) */
+#define TM_CMS_LEGACY_MAX_HIDDEN 256 /* L2RegressionMomentum */
 
 /* The momentum network of the CMS path (spec deep_nested_optimizer.md 7.3). */
 typedef enum {

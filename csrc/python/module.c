@@ -14,8 +14,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../common/tm_cms_math.h" /* the networks' size limits, exported below */
-
 static PyObject *
 py_cpu_isa(PyObject *module, PyObject *unused)
 {

@@ -17,7 +17,6 @@
  * groups is lr's numel.
  */
 #include "py_call.h"
-#include "tm_tensor.h"
 
 static const char *const role_names[4] = {"momentum", "accumulated", "ema", "v_sq"};
 static const char *const level_names[4][TM_CMS_MAX_LEVELS] = {
