@@ -11,6 +11,7 @@ Read from the sources with ast (nothing is imported, no build is needed). Usage:
 
 import ast
 import sys
+import textwrap
 from pathlib import Path
 
 LAYERS = ["_C", "_internal", "functional", "optim", "deep_nested", "__init__", "testing"]
@@ -72,7 +73,8 @@ def main():
             if up:
                 problems.append(f"upward edge: {m} -> {t}")
             shown.append(t.removeprefix("titanmac_c.") + (" (UP)" if up else ""))
-        print(f"{m.removeprefix('titanmac_c.') or 'titanmac_c'} -> {', '.join(shown) or '-'}")
+        line = f"{m.removeprefix('titanmac_c.') or 'titanmac_c'} -> {', '.join(shown) or '-'}"
+        print(textwrap.fill(line, 100, subsequent_indent="    ", break_on_hyphens=False))
     # cycles, by depth-first search
     state = {}
 

@@ -58,7 +58,7 @@ def setup(kind, device, steps, fixed):
     kw = dict(fix_reference_bugs=True) if fixed and kind != "reference" else {}
     opt = cls(model, use_cms_updates=True, **OPT_KW, **kw)
     if kind != "reference":
-        opt._phase1_cpu_path = kind == "c_op"
+        opt._cms_mode.phase1_cpu_path = kind == "c_op"
     for batch in synthetic_batches("titanmac", steps, seed=0, device=device):
         opt.zero_grad()
         loss = loss_fn(model, batch)
@@ -67,7 +67,7 @@ def setup(kind, device, steps, fixed):
     if kind == "reference":
         return opt._train_mlp_surrogate
     t = opt.mlp_train_freq
-    return lambda: opt._phase1(t)
+    return lambda: opt._cms_mode.phase1(opt._inputs(t))
 
 
 def measure(kind, device, reps, steps, fixed):

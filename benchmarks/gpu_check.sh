@@ -5,20 +5,18 @@
 # torch version and this command.
 #
 # Usage: bash benchmarks/gpu_check.sh            (from the repository root; needs torch + nvcc)
-#        A lent machine now gives a task 15 minutes of device time, its start (a minute or two)
-#        included, and 10 minutes a call: one call, with BUDGET so the script stops starting
-#        steps in time to pack what it has. What no GPU run has checked yet comes first (CUDA's
-#        torch-ops Phase 1 and the CMS graph step with Phase 1 between two graphs, tested on the
-#        CPU only), the CPU tests are left to CI:
-#          OUT=$OUT PACK=1 BUDGET=520 TESTS_K=cuda \
-#            SAN_K="cuda and (test_layouts or test_disjoint_check or test_deep_nested_inputs)" \
+#        On a machine that gives the script a fixed time (and returns only a few files): one
+#        run with BUDGET, a little under that time, so the script stops starting steps in time
+#        to pack what it has; the tests that need a GPU only (marker `cuda`, pyproject.toml),
+#        the CPU tests being CI's; STEPS and SAN_K narrowed to what is to be checked, e.g.:
+#          OUT=$OUT PACK=1 BUDGET=520 TESTS_M=cuda \
+#            SAN_K="test_layouts or test_disjoint_check or test_deep_nested_inputs" \
 #            STEPS="build tests train_cms phase1 train_legacy memcheck" bash benchmarks/gpu_check.sh
-#        with the device tool's timeout_s at 570. H100 timings of 2026-11-22/23: build ~30 s,
-#        the whole suite ~155 s when it was a third of its size (it runs in 8 processes where
-#        pytest-xdist is installed, as on the lent machines), memcheck and racecheck ~5 and ~20 s
-#        a test, a bench_train run 20-60 s. memcheck, last, gets what is left (its SAN_K here:
-#        the CUDA tests no sanitizer has run yet); summary.txt gives each step's seconds, for
-#        the next plan.
+#        under a limit of 570 s. Timings on an H100: build ~30 s, the whole suite ~155 s when it
+#        was a third of its present size (it runs in 8 processes where pytest-xdist is
+#        installed), memcheck and racecheck ~5 and ~20 s a test, a bench_train run 20-60 s.
+#        memcheck, last, gets what is left; summary.txt gives each step's seconds, for planning
+#        the next run.
 # Env:   TITANMAC_CUDA_ARCHS  defaults to the compute capability of GPU 0 (fast build)
 #        OUT                  folder for logs and JSON (default benchmarks/out)
 #        STEPS                which checks to run, always in the script's order (default:
@@ -27,11 +25,17 @@
 #        BUDGET               seconds the whole script may take: a step is not started once
 #                             they are spent ("no time"), and each runs under a timeout of what
 #                             is left ("timeout"), so PACK still happens (default: no limit)
-#        TESTS_K              pytest -k selection of the tests step (default: every test;
-#                             "cuda": the CUDA-parametrized ones, the CPU ones being CI's)
+#        TESTS_M              pytest -m marker selection of the tests step (default: every
+#                             test; "cuda": the tests that need a GPU, the CUDA cases of the
+#                             parametrized ones and the CUDA-only ones, the CPU ones being CI's;
+#                             the markers are registered in pyproject.toml)
+#        TESTS_K              pytest -k selection within it (default: none)
 #        PACK=1               at the end, pack every file in OUT but summary.txt into
-#                             OUT/gpu_check.tar.gz (a lent machine returns only a few files)
-#        SAN_K, RACE_K        pytest -k selections of memcheck and racecheck (defaults below)
+#                             OUT/gpu_check.tar.gz (for a machine that returns only a few files)
+#        SAN_M                pytest -m selection of both sanitizers (default: "cuda and not
+#                             distributed")
+#        SAN_K, RACE_K        pytest -k selections within it of memcheck and racecheck (defaults
+#                             below)
 #        TEST_WORKERS         pytest-xdist processes of the tests step (default 8 where xdist is
 #                             installed; 0: one process)
 #        SAN_TIMEOUT          seconds each sanitizer may run (default: no limit); one stopped
@@ -77,7 +81,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 
 step build env TITANMAC_WITH_CUDA=1 python3 -m pip install --no-build-isolation --no-deps -q .
-# With pytest-xdist (the lent machines have it) the suite runs in TEST_WORKERS processes, each
+# With pytest-xdist (where it is installed) the suite runs in TEST_WORKERS processes, each
 # with 2 CPU threads (it passes so on the CPU machine too; each process holds its own CUDA
 # context); TEST_WORKERS=0 runs it in one.
 if [ "${TEST_WORKERS:-8}" != 0 ] && python3 -c "import xdist" 2>/dev/null; then
@@ -86,11 +90,11 @@ else
     PYTEST=(python3 -P -m pytest)
 fi
 TESTS_SELECT=()
-[ -n "${TESTS_K:-}" ] && TESTS_SELECT=(-k "$TESTS_K")
+[ -n "${TESTS_M:-}" ] && TESTS_SELECT+=(-m "$TESTS_M")
+[ -n "${TESTS_K:-}" ] && TESTS_SELECT+=(-k "$TESTS_K")
 step tests "${PYTEST[@]}" -q -rfEs "${TESTS_SELECT[@]}" tests
 # Tensors past 2^31 elements on the GPU (~18 GB of its memory; the suite skips them otherwise)
-step large env TITANMAC_LARGE_TESTS=1 python3 -P -m pytest -q -rfEs -k cuda \
-    tests/test_large_tensors.py
+step large env TITANMAC_LARGE_TESTS=1 python3 -P -m pytest -q -rfEs -m "large and cuda" tests
 step bench python3 benchmarks/bench_step.py --device cuda --out "$OUT/bench_step_cuda.json"
 step bench64 python3 benchmarks/bench_step.py --device cuda --dtype float64 --sizes titanmac,gpt2 \
     --out "$OUT/bench_step_cuda_float64.json"
@@ -109,25 +113,26 @@ step dist python3 benchmarks/bench_distributed.py --device cuda --world 1 --laye
 
 # The sanitizers last: a BUDGET that runs out cuts their coverage, not the benchmarks.
 SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
-# The sanitizers run the CUDA-parametrized tests only (the CPU ones do not touch the GPU), less
-# the long parity runs (hundreds of steps of the same kernels; 10-100x slower under a sanitizer).
-# (the FSDP2 test spawns an NCCL process group: not a kernel of ours, and slow under memcheck)
-SAN_K=${SAN_K:-"cuda and not (300_steps or 250_steps or 100_steps or 30_steps or titanmac_like \
-or fsdp2)"}
-# racecheck takes ~20 s a test on an H100 (the whole SAN_K set would not fit a lent machine's
-# 10-minute call): one test family per kernel family, CMS (both networks) first.
-RACE_K=${RACE_K:-"cuda and (test_cpu_and_cuda_agree or test_group_norms_match_reference \
+# The sanitizers run the tests that need a GPU only (the CPU ones do not touch it), less the
+# distributed one (the FSDP2 test spawns an NCCL process group: not a kernel of ours, and slow
+# under memcheck) and the long parity runs (hundreds of steps of the same kernels; 10-100x slower
+# under a sanitizer).
+SAN_M=${SAN_M:-"cuda and not distributed"}
+SAN_K=${SAN_K:-"not (300_steps or 250_steps or 100_steps or 30_steps or titanmac_like)"}
+# racecheck takes ~20 s a test on an H100 (the whole SAN_K set would take hours): one test family
+# per kernel family, CMS (both networks) first.
+RACE_K=${RACE_K:-"test_cpu_and_cuda_agree or test_group_norms_match_reference \
 or test_clip_grad_norm_matches_torch or test_parity_fp32_groups \
-or test_more_tensors_than_one_launch_holds or (test_dno_control and test_steps_match_reference))"}
+or test_more_tensors_than_one_launch_holds or (test_dno_control and test_steps_match_reference)"}
 SAN_LIMIT=()
 [ -n "${SAN_TIMEOUT:-}" ] && SAN_LIMIT=(timeout "$SAN_TIMEOUT")
 step racecheck "${SAN_LIMIT[@]}" "$SAN" --tool racecheck --error-exitcode 1 \
-    python3 -P -m pytest -q -x -k "$RACE_K" tests/test_cms_op.py tests
+    python3 -P -m pytest -q -x -m "$SAN_M" -k "$RACE_K" tests/cms/test_cms_op.py tests
 # torch's caching allocator hides out-of-bounds accesses inside its pools from memcheck, so
 # PYTORCH_NO_CUDA_MEMORY_CACHING=1 gives every tensor its own allocation here. Without the cache
 # no tensor can be allocated inside a graph capture: memcheck skips the graph tests.
 step memcheck env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "${SAN_LIMIT[@]}" "$SAN" --tool memcheck \
-    --error-exitcode 1 python3 -P -m pytest -q -x -k "($SAN_K) and not graph" tests
+    --error-exitcode 1 python3 -P -m pytest -q -x -m "$SAN_M" -k "($SAN_K) and not graph" tests
 
 status=0
 {

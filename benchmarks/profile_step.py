@@ -125,11 +125,11 @@ def annotate_reference(opt):
 
 
 def annotate_titanmac_c(opt):
-    """Until the DeepNestedOptimizer emits the ranges itself: wrap its parts from outside. In titanmac_c
-    the clip has no pass of its own: the coefficient comes out of the control op (controller
+    """Until the DeepNestedOptimizer emits the ranges itself: wrap its parts from outside. In
+    titanmac_c the clip has no pass of its own: the coefficient comes out of the control op (controller
     range) and is applied as the update loads each gradient (update range)."""
-    _wrap_method(opt, "_run_norms", P.STATS)
-    _wrap_method(opt, "_control", P.CONTROLLER)
+    _wrap_method(opt._control, "run_norms", P.STATS)
+    _wrap_method(opt._control, "control", P.CONTROLLER)
     _wrap_method(opt.base_optimizer, "_fused_step", P.UPDATE)
     _wrap_method(opt, "_update_meta_components", P.META)
     if getattr(opt, "_graph", None) is not None:

@@ -1,4 +1,4 @@
-"""Helpers of the CMS-mode parity tests (tests/test_deep_nested_cms.py and the layouts'
+"""Helpers of the CMS-mode parity tests (tests/cms/test_deep_nested_cms.py and the layouts'
 tests): the reference and ours from one state, one step, and the comparison of parameters, CMS
 buffers and multipliers with its tolerances.
 

@@ -1,12 +1,22 @@
 """Shared fixtures: the devices every parity test runs on, dtypes, tolerances, sizes.
 
 CUDA tests run when the extension has the CUDA backend and torch sees a GPU; otherwise they are
-reported as skipped (never as passed).
+reported as skipped (never as passed). They carry the `cuda` marker (pyproject.toml), so
+`pytest -m cuda` selects them and `-m "not cuda"` the rest.
+
+The tests lie in one folder per area (adamw/, norms_clip/, deep_nested/, cms/, capi/, toolchain/,
+integration/, examples/), none of them a package: a test module is imported by its file name, so
+file names are unique across folders. The helpers beside this file (conftest, dno_models,
+cms_checks) and the test modules whose helpers other tests import (test_cms_op, test_norms,
+test_dno_control, ...) are imported by name from any folder: this folder and each area folder are
+put on sys.path here, as the flat layout had them, whichever file or folder pytest is given.
 """
 
 import copy
 import io
 import os
+import pathlib
+import sys
 
 import pytest
 import torch
@@ -15,11 +25,20 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import titanmac_c
 from titanmac_c.testing.reference_dno import ReferenceDeepNestedOptimizer
 
+TESTS = pathlib.Path(__file__).resolve().parent  # tests/: the helper modules
+ROOT = TESTS.parent  # the repository root (benchmarks/, setup.py)
+for _folder in [TESTS, *sorted(d for d in TESTS.iterdir()
+                               if d.is_dir() and not d.name.startswith(("_", ".")))]:
+    if str(_folder) not in sys.path:
+        sys.path.append(str(_folder))
+
 CUDA = titanmac_c.cuda_available()
 
+# the `cuda` marker on the parameter: `-m cuda` selects the CUDA cases, `-m "not cuda"` the CPU ones
 DEVICES = [
     "cpu",
-    pytest.param("cuda", marks=pytest.mark.skipif(not CUDA, reason="no CUDA device or backend")),
+    pytest.param("cuda", marks=[pytest.mark.cuda,
+                                pytest.mark.skipif(not CUDA, reason="no CUDA device or backend")]),
 ]
 
 # Sizes from apex/STYLE: 1, 3, 255, a block + 1, a CUDA chunk + 1, apex's odd size.
@@ -165,7 +184,7 @@ def clone_params(params):
 # Whole-tensor comparison of CMS state (momenta, accumulators) by normalized squared error, as
 # ggml's test-backend-ops does: the DirectUpdateMLP's sign feature multiplies a last-bit
 # difference of a cancelled |m| < e^-10 by e^10, so single elements may drift where the tensor
-# as a whole agrees (tests/test_deep_nested_cms.py explains and measures it).
+# as a whole agrees (tests/cms/test_deep_nested_cms.py explains and measures it).
 STATE_NMSE = 1e-6
 
 
@@ -207,7 +226,7 @@ def sync_adamw_from_reference(ref, ours, model_ref, model_ours):
 def sync_cms_from_reference(ref, ours, model_ref, model_ours):
     """Start ours (CMS mode) from the reference's state: parameters, CMS buffers, the momentum
     MLP, its Adam state and its Phase 1 output history. The DirectUpdateMLP path amplifies
-    last-bit differences (tests/test_deep_nested_cms.py), so its parity tests resync every step
+    last-bit differences (tests/cms/test_deep_nested_cms.py), so its parity tests resync every step
     and check each step's computation."""
     for pr, po in zip(model_ref.parameters(), model_ours.parameters()):
         po.copy_(pr)
@@ -221,10 +240,10 @@ def sync_cms_from_reference(ref, ours, model_ref, model_ours):
     if ref.mlp_optimizer is not None:
         ours.mlp_optimizer.load_state_dict(copy.deepcopy(ref.mlp_optimizer.state_dict()))
         # ours keys the history by the tensor's place in group order, the reference by id
-        ours._mlp_output_history = {ours._cms.index[po]: ref._mlp_output_history[id(pr)].clone()
-                                    for pr, po in zip(model_ref.parameters(),
-                                                      model_ours.parameters())
-                                    if id(pr) in ref._mlp_output_history}
+        ours._cms_mode.output_history = {
+            ours._cms.index[po]: ref._mlp_output_history[id(pr)].clone()
+            for pr, po in zip(model_ref.parameters(), model_ours.parameters())
+            if id(pr) in ref._mlp_output_history}
 
 
 def expect_refused(opt, params, exc, match, action=None):

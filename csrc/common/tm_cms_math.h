@@ -19,7 +19,7 @@
  * both backends) only where we choose them: in our exp's polynomial, and p + (-lr) u, which
  * torch's add_ fuses too (on an x86-64 without FMA the generic loops call libm's fmaf there:
  * same bits, slower). torch's own exp / log / matmul round differently in
- * the last bit, hence the tolerances of tests/test_cms_op.py. The Linear layers of the DIRECT
+ * the last bit, hence the tolerances of tests/cms/test_cms_op.py. The Linear layers of the DIRECT
  * network sum in float in index order (acc = w0 x0; acc += wk xk; + bias) at the padded width
  * TM_CMS_DIRECT_MAX_HIDDEN (zero weights and biases past H: each padded term adds an exact +0),
  * one element per CUDA thread or per CPU SIMD lane. The LEGACY network runs once per (tensor,

@@ -221,7 +221,7 @@ def test_deep_nested_optimizer_trains_a_complex_model_as_the_reference(device, d
                                        msg=lambda m: f"step {step} {name}: {m}")
         torch.testing.assert_close(ours.get_lr_multipliers(), ref.get_lr_multipliers(),
                                    rtol=1e-5, atol=1e-7)
-    assert float(ours._coef) < 1.0  # the clip mattered
+    assert float(ours._control.coef) < 1.0  # the clip mattered
     with pytest.raises(BufferError, match=r"parameter 'second': dtype torch.complex\d+ "
                                           r"is not supported \(float32, bfloat16, float16, "
                                           r"float64; .*AdamW mode also trains complex models"):

@@ -11,7 +11,7 @@ import torch
 import titanmac_c
 from conftest import CUDA, SIZES, clone_params, make_params, set_grads
 
-pytestmark = pytest.mark.skipif(not CUDA, reason="no CUDA device or backend")
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not CUDA, reason="no CUDA device or backend")]
 
 
 def _step(opt, clip):

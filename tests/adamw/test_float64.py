@@ -1,9 +1,9 @@
 """float64 parameters (scientific models, gradient checks): AdamW, clipping and the norms compute
 them in double, as torch does, element by element against torch over 20 steps; float64 mixed with
-float32 in one optimizer; checkpoints both ways (tests/test_complex.py, with complex128 ones). The
-DeepNestedOptimizer trains float64 models in both modes (AdamW mode:
-tests/test_deep_nested_layouts.py; CMS mode, whose buffers and update are float32 as the
-reference's: tests/test_deep_nested_cms.py and, op by op, tests/test_cms_op.py)."""
+float32 in one optimizer; checkpoints both ways (tests/adamw/test_complex.py, with complex128
+ones). The DeepNestedOptimizer trains float64 models in both modes (AdamW mode:
+tests/deep_nested/test_deep_nested_layouts.py; CMS mode, whose buffers and update are float32 as
+the reference's: tests/cms/test_deep_nested_cms.py and, op by op, tests/cms/test_cms_op.py)."""
 
 import pytest
 import torch
@@ -24,6 +24,7 @@ def float64_params(device, sizes=SIZES):
     return params + [torch.nn.Parameter(base[1:])]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("amsgrad", [False, True])
 @pytest.mark.parametrize("maximize", [False, True])
@@ -117,9 +118,9 @@ def test_group_norms_in_double():
 
 
 def test_deep_nested_optimizer_refuses_complex_in_cms_mode():
-    """Both modes train float64 models (tests/test_deep_nested_layouts.py,
-    test_deep_nested_cms.py); CMS mode refuses complex ones, which fail the reference's CMS
-    update too (a complex gradient added into its float32 buffers)."""
+    """Both modes train float64 models (tests/deep_nested/test_deep_nested_layouts.py,
+    tests/cms/test_deep_nested_cms.py); CMS mode refuses complex ones, which fail the reference's
+    CMS update too (a complex gradient added into its float32 buffers)."""
     model = torch.nn.Linear(4, 3)
     model.weight = torch.nn.Parameter(model.weight.detach().to(torch.complex64))
     with pytest.raises(BufferError, match=r"parameter 'weight': dtype torch.complex64 is not "

@@ -134,6 +134,7 @@ def _apply(pair, op, rng, gen):
     return True
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("first_seed", range(0, 400, 100))
 def test_random_sequences_of_optimizer_operations_match_torch(first_seed):
     for seed in range(first_seed, first_seed + 100):

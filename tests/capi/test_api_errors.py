@@ -273,7 +273,7 @@ def test_norm_functions_name_a_sparse_gradient_and_scale_nothing():
 
 
 def test_complex32_parameter():
-    """complex64 and complex128 step through their real views (tests/test_complex.py);
+    """complex64 and complex128 step through their real views (tests/adamw/test_complex.py);
     complex32, whose real view is float16 and which torch's AdamW steps its own way, is refused
     before any write."""
     opt, params = _setup()
@@ -286,7 +286,7 @@ def test_complex32_parameter():
 
 def test_non_dense_parameter_refused_without_state():
     """A parameter no permutation makes contiguous (dense ones in another order are taken:
-    tests/test_layouts.py)."""
+    tests/capi/test_layouts.py)."""
     opt, params = _setup()
     base = torch.randn(4, 12)
     nc = torch.nn.Parameter(base[:, ::2])  # every other column: not dense

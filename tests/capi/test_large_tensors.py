@@ -21,9 +21,9 @@ import torch
 import titanmac_c
 from conftest import DEVICES, tol
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.large, pytest.mark.skipif(
     os.environ.get("TITANMAC_LARGE_TESTS") != "1",
-    reason="needs ~18 GB on its device: set TITANMAC_LARGE_TESTS=1")
+    reason="needs ~18 GB on its device: set TITANMAC_LARGE_TESTS=1")]
 
 N = 2**31 + 77  # past int32's range, and not a multiple of any vector width or chunk
 EDGE = 64  # elements with random values at each end

@@ -452,6 +452,7 @@ def test_context_in_memory_replaces_t_and_base_lr(device, net):
     assert torch.equal(runs["wrong_numbers"], runs["numbers"]) == (net == "direct")
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not CUDA, reason="no CUDA device or backend")
 @pytest.mark.parametrize("net", ["direct", "legacy"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])

@@ -94,14 +94,14 @@ def _phase1_steps(device, ours_setup, check, model=None):
         cms_step(model_r, ref, batch, step, inject=False)
         cms_step(model_o, ours, batch, step, inject=False)
         if step % ours.mlp_train_freq == 0:
-            torch.testing.assert_close(ours._last_surrogate_loss, ref._last_surrogate_loss,
+            torch.testing.assert_close(ours._cms_mode.last_surrogate_loss, ref._last_surrogate_loss,
                                        rtol=1e-5, atol=0, msg=lambda m: f"step {step}: {m}")
             for (name, wr), wo in zip(ref.momentum_mlp.named_parameters(),
                                       ours.momentum_mlp.parameters()):
                 check(step, name, wo, wr)
 
 
-# How Phase 1 runs (DeepNestedOptimizer._phase1_cpu_path): the CPU's way (the C op, the skip
+# How Phase 1 runs (CMSMode.phase1_cpu_path): the CPU's way (the C op, the skip
 # flag read on the host), and CUDA's (torch ops, the skip applied on the device), on the CPU too.
 PHASE1_IMPLS = [
     pytest.param(("cpu", True), id="cpu-path"),
@@ -114,7 +114,7 @@ PHASE1_IMPLS = [
 @pytest.mark.parametrize("impl", PHASE1_IMPLS)
 def test_phase1_trains_the_mlp_like_the_reference(impl, model):
     """Phase 1's gradient from the C core (the CPU's) or from its algorithm in torch ops
-    (CUDA's; tests/test_cms_surrogate.py checks both against float64): from the same state, each
+    (CUDA's; tests/cms/test_cms_surrogate.py checks both against float64): from the same state, each
     Phase 1 step moves every MLP weight as the reference's does to 1e-3 of the step size
     (lr = 1e-3; measured <= 3e-5 of it: the gradients differ in rounding only). With 24 tensors
     it trains on the first 20, as the reference."""
@@ -123,7 +123,7 @@ def test_phase1_trains_the_mlp_like_the_reference(impl, model):
     def check(step, name, wo, wr):
         torch.testing.assert_close(wo, wr, rtol=0, atol=1e-3 * 1e-3,
                                    msg=lambda m: f"step {step} momentum_mlp.{name}: {m}")
-    _phase1_steps(device, lambda ours: setattr(ours, "_phase1_cpu_path", cpu_path), check,
+    _phase1_steps(device, lambda ours: setattr(ours._cms_mode, "phase1_cpu_path", cpu_path), check,
                   model=_deep_mlp() if model == "deep" else None)
 
 
@@ -154,8 +154,8 @@ def _phase1_state(opt):
     """What Phase 1 changes: the MLP's weights, its Adam state, the output history, the loss."""
     return ([w.detach().clone() for w in opt.momentum_mlp.parameters()],
             copy.deepcopy(opt.mlp_optimizer.state_dict()["state"]),
-            {i: o.clone() for i, o in opt._mlp_output_history.items()},
-            opt._last_surrogate_loss)
+            {i: o.clone() for i, o in opt._cms_mode.output_history.items()},
+            opt._cms_mode.last_surrogate_loss)
 
 
 def _run_with_an_edited_step(impl, fix, edit, steps=20, **kw):
@@ -168,7 +168,7 @@ def _run_with_an_edited_step(impl, fix, edit, steps=20, **kw):
     torch.manual_seed(0)  # the same networks in every run
     opt = titanmac_c.DeepNestedOptimizer(model, use_cms_updates=True, fix_reference_bugs=fix,
                                          **kw)
-    opt._phase1_cpu_path = cpu_path
+    opt._cms_mode.phase1_cpu_path = cpu_path
     out = {}
     for step, batch in enumerate(synthetic_batches("mlp", steps, seed=9, device=device), start=1):
         opt.zero_grad()
@@ -247,16 +247,16 @@ def test_a_skipped_phase1_step(impl, fix, skip_by):
 def test_cuda_path_reads_nothing_back_checked_on_the_cpu(net, fix):
     """Acceptance 2 of the CMS issue (no host sync in a step) watched without a GPU: CUDA's way
     of stepping, run on CPU tensors, executes no ATen op that would read a value back or copy
-    host data in on CUDA (tests/test_deep_nested_cuda.py checks the real thing under sync debug
-    mode "error" on a GPU). Steps 6-12, step 10 with Phase 1 for the DirectUpdateMLP. The C
-    core's calls are not ATen ops: this watches the Python around them. Reads of the MLP Adam's
+    host data in on CUDA (tests/deep_nested/test_deep_nested_cuda.py checks the real thing under
+    sync debug mode "error" on a GPU). Steps 6-12, step 10 with Phase 1 for the DirectUpdateMLP. The
+    C core's calls are not ATen ops: this watches the Python around them. Reads of the MLP Adam's
     step counts are allowed: torch keeps them on the CPU on CUDA too."""
     model = make_mlp_10_32_5(seed=0)
     opt = titanmac_c.DeepNestedOptimizer(model, use_cms_updates=True,
                                          use_preprocessing=net == "direct",
                                          fix_reference_bugs=fix, max_grad_norm=1.0,
                                          weight_decay=0.01, meta_update_freq=1000)
-    opt._phase1_cpu_path = False
+    opt._cms_mode.phase1_cpu_path = False
     ops = {}
     for step, batch in enumerate(synthetic_batches("mlp", 12, seed=3), start=1):
         opt.zero_grad()
@@ -272,7 +272,7 @@ def test_cuda_path_reads_nothing_back_checked_on_the_cpu(net, fix):
         assert not record.host_reads, (step, record.host_reads)
         ops[step] = record.ops
     if net == "direct":  # the mode saw Phase 1 (hundreds of ops), or the check is void
-        assert ops[10] > 100 and opt._last_surrogate_loss is not None, ops
+        assert ops[10] > 100 and opt._cms_mode.last_surrogate_loss is not None, ops
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -391,9 +391,10 @@ def test_checkpoints_load_both_ways_with_the_reference():
     model_o.load_state_dict(model_r.state_dict())
     ours.load_state_dict(checkpoint_roundtrip(saved))
     # not in checkpoints (the reference's either): carried over, keyed as ours keys it
-    ours._mlp_output_history = {ours._cms.index[po]: ref._mlp_output_history[id(pr)].clone()
-                                for pr, po in zip(model_r.parameters(), model_o.parameters())
-                                if id(pr) in ref._mlp_output_history}
+    ours._cms_mode.output_history = {
+        ours._cms.index[po]: ref._mlp_output_history[id(pr)].clone()
+        for pr, po in zip(model_r.parameters(), model_o.parameters())
+        if id(pr) in ref._mlp_output_history}
     for step, batch in enumerate(batches[15:], start=16):
         cms_step(model_r, ref, batch, step, inject=False)
         cms_step(model_o, ours, batch, step, inject=False)
@@ -499,9 +500,9 @@ def test_graph_mode_step_logic_with_simulated_replays(monkeypatch, fixes):
                                              fix_reference_bugs=fixes,
                                              cms_frequencies=[1, 3, 7],  # kinds of step
                                              cuda_graph_warmup_steps=2)
-        opt._phase1_cpu_path = False  # CUDA's Phase 1 (torch ops, no host read of the skip)
+        opt._cms_mode.phase1_cpu_path = False  # CUDA's Phase 1 (torch ops, no host read of the skip)
         if graph:
-            opt._graph = GraphState(opt)
+            opt._graph = opt._graph_state()
         for step, batch in enumerate(batches, 1):
             opt.zero_grad(set_to_none=not graph)
             loss = loss_fn(model, batch)
@@ -519,7 +520,7 @@ def test_graph_mode_step_logic_with_simulated_replays(monkeypatch, fixes):
         torch.testing.assert_close(pg, pe, rtol=1e-5, atol=1e-6)
     for we, wg in zip(eager.momentum_mlp.parameters(), graphed.momentum_mlp.parameters()):
         torch.testing.assert_close(wg, we, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(graphed._lr, eager._lr)
+    torch.testing.assert_close(graphed._control.lr, eager._control.lr)
 
 
 def _host_numbers(opt):
@@ -551,18 +552,20 @@ def test_graph_replays_see_the_numbers_of_their_step(monkeypatch, mode):
     from titanmac_c.deep_nested.graph import GraphState
 
     captures = []
+    owners = {}  # GraphState -> its optimizer
 
     def replay(self, key, calls):
+        opt = owners[self]
         if key not in self.graphs:
-            self.graphs[key] = (calls, copy.deepcopy(_host_numbers(self.opt)))
+            self.graphs[key] = (calls, copy.deepcopy(_host_numbers(opt)))
             captures.append(key)
         kept, frozen = self.graphs[key]
-        live = _host_numbers(self.opt)
-        _set_host_numbers(self.opt, frozen)
+        live = _host_numbers(opt)
+        _set_host_numbers(opt, frozen)
         try:
             kept()
         finally:
-            _set_host_numbers(self.opt, live)
+            _set_host_numbers(opt, live)
         self.captured = True
 
     monkeypatch.setattr(GraphState, "_replay", replay)
@@ -584,14 +587,16 @@ def test_graph_replays_see_the_numbers_of_their_step(monkeypatch, mode):
                                              use_preprocessing=mode != "cms_legacy",
                                              weight_decay=0.01, max_grad_norm=1.0,
                                              cuda_graph_warmup_steps=2)
-        opt._phase1_cpu_path = False  # CUDA's Phase 1 (torch ops, no host read of the skip)
+        if cms:  # CUDA's Phase 1 (torch ops, no host read of the skip)
+            opt._cms_mode.phase1_cpu_path = False
         if mode == "cms_legacy":  # its output layer starts at 0: make the context matter
             gen = torch.Generator().manual_seed(3)
             with torch.no_grad():
                 for w in opt.momentum_mlp.parameters():
                     w.copy_(torch.randn(w.shape, generator=gen) * 0.3)
         if graph:
-            opt._graph = GraphState(opt)
+            opt._graph = opt._graph_state()
+            owners[opt._graph] = opt
         models.append(model)
         opts.append(opt)
 
@@ -652,7 +657,7 @@ def test_graph_mode_binds_the_gradients_of_the_parameters_it_steps(monkeypatch):
         opt = titanmac_c.DeepNestedOptimizer(model, weight_decay=0.01, max_grad_norm=1.0,
                                              cuda_graph_warmup_steps=2)
         if graph:
-            opt._graph = GraphState(opt)
+            opt._graph = opt._graph_state()
         runs.append((model, opt))
     first = None
     for step, batch in enumerate(batches, 1):

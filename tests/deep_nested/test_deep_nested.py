@@ -116,6 +116,7 @@ def test_parity_mlp_explicit_mode(device):
     _run("mlp", device, 300, mode="explicit", meta_every=50, weight_decay=0.01)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 def test_parity_titanmac_like_model(device):
     """The TitanMAC-like model (3.2M parameters in 48 tensors), both groups, clipping active.

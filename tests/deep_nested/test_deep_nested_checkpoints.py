@@ -1,8 +1,8 @@
-"""DeepNestedOptimizer checkpoints beyond the resume tests (tests/test_deep_nested.py and
-tests/test_deep_nested_cms.py): the layouts both ways with the reference (a compiled reference's
-module keys, a CMS state assigned or read through optimizer.state, 0-d parameters, an AdamW-mode
-checkpoint loaded in CMS mode, the rates the saved groups hold) and checkpoints that do not fit,
-refused before the first write with the part named.
+"""DeepNestedOptimizer checkpoints beyond the resume tests (tests/deep_nested/test_deep_nested.py
+and tests/cms/test_deep_nested_cms.py): the layouts both ways with the reference (a compiled
+reference's module keys, a CMS state assigned or read through optimizer.state, 0-d parameters, an
+AdamW-mode checkpoint loaded in CMS mode, the rates the saved groups hold) and checkpoints that do
+not fit, refused before the first write with the part named.
 """
 
 import copy
@@ -350,7 +350,7 @@ def test_histories_that_do_not_fit_are_named():
                                          r"torch.float32 torch.strided on cpu, expected a dense "
                                          rf"floating tensor of shape {shape} with values$"):
         opt.load_state_dict(sd)
-    assert opt.meta_trainer.loss_history == [] and opt._mlp_output_history == {}
+    assert opt.meta_trainer.loss_history == [] and opt._cms_mode.output_history == {}
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP in one process

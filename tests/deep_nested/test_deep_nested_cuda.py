@@ -12,7 +12,7 @@ import titanmac_c
 from conftest import CUDA, assert_nmse_close
 from dno_models import loss_fn, make_titanmac_like_model, synthetic_batches
 
-pytestmark = pytest.mark.skipif(not CUDA, reason="no CUDA device or backend")
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not CUDA, reason="no CUDA device or backend")]
 
 KW = dict(weight_decay=0.01, max_grad_norm=1.0, mode="simple", meta_update_freq=1000,
           controller_update_freq=3)

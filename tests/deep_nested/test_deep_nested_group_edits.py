@@ -54,7 +54,7 @@ def test_parameter_appended_to_a_group_counts_once_in_the_clip_norm(device):
     # the norm of the last step: every model gradient once (twice, the frozen layer's would
     # dominate it)
     once = torch.sqrt(sum(p.grad.double().pow(2).sum() for p in model_o.parameters()))
-    assert float(ours._norms[-1]) == pytest.approx(float(once), rel=1e-5)
+    assert float(ours._control.norms[-1]) == pytest.approx(float(once), rel=1e-5)
 
 
 @pytest.mark.parametrize("kw, own_memory, match", [
@@ -80,11 +80,11 @@ def test_an_appended_parameter_is_named_in_errors(kw, own_memory, match):
         if own_memory:
             model.frozen.weight.grad = model.frozen.weight.detach()  # the parameter's own memory
         before = [p.detach().clone() for p in model.parameters()]
-        multipliers = opt._lr_multipliers.clone()
+        multipliers = opt._control.lr_multipliers.clone()
         with pytest.raises(ValueError, match=match):
             opt.step(0.5)
         assert opt.global_step == steps_before
-        assert torch.equal(opt._lr_multipliers, multipliers)
+        assert torch.equal(opt._control.lr_multipliers, multipliers)
         for p, b in zip(model.parameters(), before):
             assert torch.equal(p.detach(), b)
 

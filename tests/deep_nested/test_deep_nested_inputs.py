@@ -3,12 +3,12 @@ the optimizer was built and unfrozen later (its gradient counts in the reference
 spec 8), numpy integers as hyperparameters, and what the C core cannot take (sparse gradients,
 CMS mode's complex or non-contiguous parameters and gradients, a state that no longer fits):
 refused with the parameter's name, before anything changes. The layouts AdamW mode takes:
-tests/test_deep_nested_layouts.py; checkpoints: tests/test_deep_nested_checkpoints.py.
+tests/deep_nested/test_deep_nested_layouts.py; checkpoints:
+tests/deep_nested/test_deep_nested_checkpoints.py.
 """
 
 import copy
 import math
-import pathlib
 import subprocess
 import sys
 
@@ -18,7 +18,7 @@ import torch
 
 import titanmac_c
 from titanmac_c.testing.reference_dno import ReferenceDeepNestedOptimizer
-from conftest import (DEVICES, assert_same_state, checkpoint_roundtrip, child_env,
+from conftest import (DEVICES, TESTS, assert_same_state, checkpoint_roundtrip, child_env,
                       reference_and_ours)
 from dno_models import (MODE_IDS, MODES, PartlyFrozen, fixed_grads, loss_fn, make_mlp_10_32_5,
                         set_grads_by_name, step_all, synthetic_batches)
@@ -76,7 +76,7 @@ def test_gradient_of_a_parameter_unfrozen_later_counts_in_the_clip_norm(device, 
                                        msg=lambda m: f"step {step} {name}: {m}")
     assert torch.equal(model_o.frozen.weight.detach(), frozen_before)
     # the clip mattered: without the frozen layer's gradient the total norm is 10x smaller
-    assert float(ours._norms[-1]) > 10 * float(ours._norms[0])
+    assert float(ours._control.norms[-1]) > 10 * float(ours._control.norms[0])
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -128,7 +128,7 @@ def test_a_model_frozen_at_construction_steps_as_the_references(device, kw):
         assert float(ours.skipped) == 0.0 and not res_r.get("skipped")
     for p, b in zip(model_o.parameters(), before):
         assert torch.equal(p.detach(), b)
-    assert float(ours._norms[-1]) > 0  # the unfrozen layer's gradients were normed
+    assert float(ours._control.norms[-1]) > 0  # the unfrozen layer's gradients were normed
     assert ours.get_momentum_stats() == ref.get_momentum_stats()
     for opt in (ref, ours):
         opt.meta_update({"x": 0}, use_unrolled=False, loss_fn=lambda m, b: torch.tensor(1.0))
@@ -341,7 +341,7 @@ def test_a_refused_step_leaves_the_last_steps_control_outputs(kw):
         opt.step(0.5)
     set_grads_by_name(model, fixed_grads(model, 3))
     opt.step(torch.tensor(float("nan")))
-    before = [opt.skipped.clone(), opt._coef.clone(), opt._lr.clone()]
+    before = [opt.skipped.clone(), opt._control.coef.clone(), opt._control.lr.clone()]
     assert float(before[0]) == 1.0
     # a clip coefficient below 1 and a step not skipped
     set_grads_by_name(model, fixed_grads(model, 4))
@@ -349,18 +349,18 @@ def test_a_refused_step_leaves_the_last_steps_control_outputs(kw):
     with pytest.raises(ValueError, match=_RESIZED):
         opt.step(0.5)
     undo()
-    for a, b in zip(before, [opt.skipped, opt._coef, opt._lr]):
+    for a, b in zip(before, [opt.skipped, opt._control.coef, opt._control.lr]):
         assert torch.equal(a, b)
     opt.step(0.5)
-    assert float(opt.skipped) == 0.0 and float(opt._coef) < 1.0
+    assert float(opt.skipped) == 0.0 and float(opt._control.coef) < 1.0
     # and after that clipped step taken: skip and coef differ, so a swap of the two would show
-    before = [opt.skipped.clone(), opt._coef.clone(), opt._lr.clone()]
+    before = [opt.skipped.clone(), opt._control.coef.clone(), opt._control.lr.clone()]
     set_grads_by_name(model, fixed_grads(model, 5))
     undo = _resize_a_parameter(model)
     with pytest.raises(ValueError, match=_RESIZED):
         opt.step(0.5)
     undo()
-    for a, b in zip(before, [opt.skipped, opt._coef, opt._lr]):
+    for a, b in zip(before, [opt.skipped, opt._control.coef, opt._control.lr]):
         assert torch.equal(a, b)
 
 
@@ -429,7 +429,7 @@ def _fail_the_update(opt, p):
     if opt._cms is None:
         opt.base_optimizer._fused_step = fail
     else:
-        opt._cms_phase2 = fail
+        opt._cms_mode.phase2 = fail
     return 0.5
 
 
@@ -464,9 +464,9 @@ def test_a_step_failing_before_its_update_is_undone(kw, spoil, err, match):
     loss = spoil(opt, bias)
     with pytest.raises(err, match=match):
         opt.step(loss)
-    for patched in (opt.base_optimizer, opt):
-        vars(patched).pop("_fused_step", None)
-        vars(patched).pop("_cms_phase2", None)
+    vars(opt.base_optimizer).pop("_fused_step", None)
+    if opt._cms_mode is not None:
+        vars(opt._cms_mode).pop("phase2", None)
     if saved:
         opt.base_optimizer.state[bias].update(saved)
     _assert_untouched_then_alike(model, opt, twin, clean, (params_before, state_before), 4)
@@ -591,7 +591,7 @@ def test_max_grad_norm_inf_clips_with_coefficient_one_as_the_reference(kw):
         step_all(step, (model_r, ref), (model_o, ours))
         for pr, po in zip(model_r.parameters(), model_o.parameters()):
             torch.testing.assert_close(po.detach(), pr.detach(), rtol=2e-5, atol=1e-7)
-    assert float(ours._coef) == 1.0
+    assert float(ours._control.coef) == 1.0
 
 
 @pytest.mark.parametrize("kw", MODES[::2], ids=MODE_IDS[::2])
@@ -664,7 +664,7 @@ def test_parameters_added_to_the_model_later_count_in_the_clip_norm(kw):
         for (name, pr), po in zip(model_r.named_parameters(), model_o.parameters()):
             torch.testing.assert_close(po.detach(), pr.detach(), rtol=2e-5, atol=1e-7,
                                        msg=lambda m: f"step {step} {name}: {m}")
-    assert float(ours._coef) < 0.5  # the clip was active
+    assert float(ours._control.coef) < 0.5  # the clip was active
 
 
 # Run by a fresh interpreter that never built a DeepNestedOptimizer: loads the pickled pair, then
@@ -694,7 +694,7 @@ for step in range(3, 9):
     for (name, pr), po in zip(model_r.named_parameters(), model_o.parameters()):
         torch.testing.assert_close(po, pr, rtol=2e-4, atol=2e-6,
                                    msg=lambda m: f"step {step} {name}: {m}")
-assert float(ours._coef) < 0.5  # the clip was active
+assert float(ours._control.coef) < 0.5  # the clip was active
 print("ok")
 """
 
@@ -714,7 +714,7 @@ def test_edits_after_unpickling_in_a_fresh_process_are_seen_as_the_references(kw
                 p.grad = g[name].clone()
             opt.step(0.5)
     torch.save((model_r, ref, model_o, ours), tmp_path / "pair.pt")
-    tests = str(pathlib.Path(__file__).resolve().parent)
+    tests = str(TESTS)  # where dno_models lies
     done = subprocess.run([sys.executable, "-c", _EDITS_AFTER_UNPICKLING,
                            str(tmp_path / "pair.pt")],
                           capture_output=True, text=True, cwd=tests, env=child_env(tests))

@@ -1,5 +1,5 @@
 """DeepNestedOptimizer on what goes beyond contiguous float32: float64 models (AdamW mode; CMS
-mode's: tests/test_deep_nested_cms.py), channels_last parameters, gradients laid out otherwise
+mode's: tests/cms/test_deep_nested_cms.py), channels_last parameters, gradients laid out otherwise
 than their parameter, a parameter relaid out after construction (both modes). The statistics read
 any layout and the updates take dense ones, a parameter's gradient and state in its layout, so
 these train as the reference trains them (with torch ops)."""
@@ -124,7 +124,7 @@ def test_gradients_laid_out_otherwise_count_and_step_as_the_references(device):
         for (name, pr), po in zip(model_r.named_parameters(), model_o.parameters()):
             torch.testing.assert_close(po.detach(), pr.detach(), **F32_TOL,
                                        msg=lambda m: f"step {step} {name}: {m}")
-    assert float(ours._coef) < 1.0  # the clip mattered
+    assert float(ours._control.coef) < 1.0  # the clip mattered
 
 
 @pytest.mark.parametrize("with_grad", [True, False], ids=["with-grad", "without-grad"])
@@ -156,7 +156,7 @@ def _train_cms_both(model, steps, batch, preprocessing, cpu_path=True, edit=None
     (model_r, ref), (model_o, ours) = cms_pair(
         device, model, use_preprocessing=preprocessing, cms_frequencies=[1, 2, 4],
         meta_update_freq=6, weight_decay=0.01)
-    ours._phase1_cpu_path = cpu_path
+    ours._cms_mode.phase1_cpu_path = cpu_path
     for step in range(1, steps + 1):
         before = None
         if preprocessing:
@@ -189,7 +189,7 @@ def test_cms_mode_trains_a_channels_last_model_as_the_reference(device, preproce
     for level in ours.state[weight].levels:
         assert level.momentum.is_contiguous(memory_format=torch.channels_last)
     if preprocessing:
-        history = ours._mlp_output_history[ours._cms.index[weight]]
+        history = ours._cms_mode.output_history[ours._cms.index[weight]]
         assert history.is_contiguous(memory_format=torch.channels_last)
 
 
@@ -198,7 +198,7 @@ def test_cms_mode_trains_a_channels_last_model_as_the_reference(device, preproce
 @PHASE1_PATHS
 def test_cms_mode_trains_a_float64_model_as_the_reference(device, preprocessing, cpu_path):
     """Its buffers and update are float32 as the reference's; the gradient's accumulate and the
-    parameter step are in double (250 steps: tests/test_deep_nested_cms.py). Here with the
+    parameter step are in double (250 steps: tests/cms/test_deep_nested_cms.py). Here with the
     Phase 1 steps and meta-updates of _train_cms_both, both Phase 1 paths."""
     model = make_mlp_10_32_5(seed=0).double().to(device)
     model_o, ours = _train_cms_both(model, 12, _vectors(device, torch.float64), preprocessing,
@@ -285,7 +285,7 @@ def test_strided_gradients_are_clipped_in_memory_for_step_hooks_as_the_reference
             torch.testing.assert_close(go, gr, **F32_TOL)
         for pr, po in zip(model_r.parameters(), model_o.parameters()):
             torch.testing.assert_close(po.detach(), pr.detach(), **F32_TOL)
-    assert float(ours._coef) < 1.0  # the clip mattered
+    assert float(ours._control.coef) < 1.0  # the clip mattered
 
 
 def test_an_expanded_gradient_clipped_for_step_hooks_is_refused_by_name():
@@ -338,18 +338,19 @@ def _state_tensors(opt):
 @pytest.mark.parametrize("cms", [False, True], ids=["adamw", "cms"])
 def test_graph_mode_moves_relaid_out_state_before_a_capture(monkeypatch, cms):
     """CUDA-graph mode's step logic on the CPU (simulated replays, as in
-    tests/test_deep_nested_cms.py): a parameter made column-major after the first capture has
+    tests/cms/test_deep_nested_cms.py): a parameter made column-major after the first capture has
     its state moved into its layout before the re-capture, not inside it (a copy captured would
     be replayed every step, from the old buffer); the run follows eager's."""
     from titanmac_c.deep_nested.graph import GraphState
 
     replaced_in_capture = []
+    owners = {}  # GraphState -> its optimizer
 
     def replay(self, key, calls):
         if key not in self.graphs:  # a capture
-            before = [id(t) for t in _state_tensors(self.opt)]
+            before = [id(t) for t in _state_tensors(owners[self])]
             calls()
-            if [id(t) for t in _state_tensors(self.opt)] != before:
+            if [id(t) for t in _state_tensors(owners[self])] != before:
                 replaced_in_capture.append(key)
             self.graphs[key] = calls
         else:
@@ -369,9 +370,11 @@ def test_graph_mode_moves_relaid_out_state_before_a_capture(monkeypatch, cms):
         torch.manual_seed(0)  # the networks' initialisation
         opt = titanmac_c.DeepNestedOptimizer(model, use_cms_updates=cms,
                                              cuda_graph_warmup_steps=2)
-        opt._phase1_cpu_path = False  # CUDA's Phase 1 (torch ops)
+        if cms:  # CUDA's Phase 1 (torch ops)
+            opt._cms_mode.phase1_cpu_path = False
         if graph:
-            opt._graph = GraphState(opt)
+            opt._graph = opt._graph_state()
+            owners[opt._graph] = opt
         for step in range(1, 10):
             edit(model, step)
             opt.zero_grad(set_to_none=not graph)

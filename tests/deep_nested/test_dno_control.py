@@ -1,7 +1,7 @@
 """_C.dno_control (tm_dno_control) against a pure-torch control step written here from the spec
 (deep_nested_optimizer.md sections 3-6 and 8). Its argument checks are in
 test_dno_control_errors.py, adamw_step's zero_grads_on_skip (the DNO's NaN guard) in
-test_adamw_zero_grads.py.
+tests/adamw/test_adamw_zero_grads.py.
 
 The reference below is the eager DeepNestedOptimizer's own arithmetic: a torch.nn.Linear/ReLU
 stack, sigmoid, clamp, torch.where for the non-finite substitutions, Python floats for base_lr * mu

@@ -207,6 +207,7 @@ def test_missing_keyword():
         _call(args, kw)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not CUDA, reason="no CUDA device or backend")
 def test_mixed_devices():
     args, kw = _valid_call(device="cuda")

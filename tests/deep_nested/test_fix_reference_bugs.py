@@ -5,9 +5,9 @@ multipliers against the controller run on log1p(norm) / 10 of torch's group norm
 corrected optimizer step by step against CorrectedReference, the pure-PyTorch reference with the
 four corrections written in (B1, B6, B7 as README defines them; B4's start copied from ours).
 
-Tolerances are those of the uncorrected parity tests (tests/test_deep_nested.py for AdamW mode,
-tests/test_deep_nested_cms.py for CMS mode): the corrections change what is computed, not how
-it is rounded.
+Tolerances are those of the uncorrected parity tests (tests/deep_nested/test_deep_nested.py for
+AdamW mode, tests/cms/test_deep_nested_cms.py for CMS mode): the corrections change what is
+computed, not how it is rounded.
 """
 
 import copy
@@ -28,14 +28,15 @@ from titanmac_c.testing.reference_dno import (
 from conftest import assert_nmse_close, sync_cms_from_reference
 from dno_models import loss_fn, make_mlp_10_32_5, synthetic_batches
 
-# tests/test_deep_nested.py (AdamW mode: ours is the C core's AdamW, the reference torch's)
+# tests/deep_nested/test_deep_nested.py (AdamW mode: ours is the C core's AdamW, the
+# reference torch's)
 ADAMW_PARAM_TOL = dict(rtol=2e-4, atol=2e-6)
-# tests/test_deep_nested_cms.py (CMS mode: the C core evaluates the momentum network itself)
+# tests/cms/test_deep_nested_cms.py (CMS mode: the C core evaluates the momentum network itself)
 CMS_PARAM_TOL = dict(rtol=1e-4, atol=1e-6)
 MULT_TOL = dict(rtol=1e-5, atol=1e-6)
 # A Phase 1 step moves a DirectUpdateMLP weight by at most lr = 1e-3 (Adam); ours (the C core's
 # gradient) moves it as the reference's autograd does to 1e-3 of that step
-# (tests/test_deep_nested_cms.py measures <= 3e-5 of it without the fix).
+# (tests/cms/test_deep_nested_cms.py measures <= 3e-5 of it without the fix).
 MLP_STEP_TOL = dict(rtol=0, atol=1e-3 * 1e-3)
 # Frequencies whose corrected schedule (level 2 every 7 steps) is not the reference's B**l = 9.
 FREQS = [1, 3, 7]
@@ -218,12 +219,13 @@ def test_corrected_run_matches_the_corrected_reference(mode):
             assert [lvl.step_count for lvl in st.levels] == counts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("freqs", [FREQS, [2, 3, 7]], ids=["f1-3-7", "f2-3-7"])
 def test_corrected_direct_network_step_by_step(freqs):
     """The DirectUpdateMLP path with all four corrections (B1, B4, B6, B7; cms_frequencies
     [1, 3, 7], and [2, 3, 7], where Phase 1 divides the gradient by f_0 = 2) against
     CorrectedReference over 105 steps. Its dynamics amplify last-bit
-    differences (tests/test_deep_nested_cms.py), so each step starts from the reference's state
+    differences (tests/cms/test_deep_nested_cms.py), so each step starts from the reference's state
     (sync_cms_from_reference) and checks that step's computation: parameters, CMS buffers, fire
     counts and multipliers as in the free run, and on each Phase 1 step (every 5) the surrogate
     loss (rtol 1e-5, as test_b1_phase1_in_the_c_core_trains_like_the_torch_ops) and every MLP
@@ -257,10 +259,10 @@ def test_b1_phase1_in_the_c_core_trains_like_the_torch_ops(dtype):
                for b in synthetic_batches("mlp", 15, seed=4)]
     for step, batch in enumerate(batches, start=1):
         model_b, opt_b = copy.deepcopy((model, opt))
-        opt_b._phase1_cpu_path = False
+        opt_b._cms_mode.phase1_cpu_path = False
         before = (copy.deepcopy(opt.momentum_mlp),
                   [opt.state[p].levels[0].momentum.clone() for p in model.parameters()],
-                  {i: o.clone() for i, o in opt._mlp_output_history.items()})
+                  {i: o.clone() for i, o in opt._cms_mode.output_history.items()})
         results = []
         for m, o in ((model, opt), (model_b, opt_b)):
             o.zero_grad()
@@ -269,10 +271,10 @@ def test_b1_phase1_in_the_c_core_trains_like_the_torch_ops(dtype):
             results.append(o.step(loss.item()))
         if step % opt.mlp_train_freq == 0:
             # the spec's loss on g0 = clipped gradient / max(f_0, 1) (f_0 = 1), from the state
-            # before the step (.grad keeps the unclipped values; opt._coef is the clip's)
+            # before the step (.grad keeps the unclipped values; opt._control.coef is the clip's)
             mlp, moms, history = before
             expected = torch.stack([
-                compute_surrogate_loss(mlp(p.grad * opt._coef, m), p.grad * opt._coef,
+                compute_surrogate_loss(mlp(p.grad * opt._control.coef, m), p.grad * opt._control.coef,
                                        history.get(opt._cms.index[p]))
                 for p, m in zip(model.parameters(), moms)]).mean()
             torch.testing.assert_close(results[0]["surrogate_loss"], expected.float(), rtol=1e-5,

@@ -22,7 +22,7 @@ from dno_models import loss_fn, make_mlp_10_32_5, synthetic_batches
 
 OPERATIONS = ("step", "step", "step", "step_tensor", "set_loss", "nan_loss", "inf_grad", "accum",
               "keep_zero", "none_grad", "checkpoint", "meta", "edit")
-PARAM_TOL = dict(rtol=2e-4, atol=2e-6, equal_nan=True)  # as tests/test_deep_nested.py
+PARAM_TOL = dict(rtol=2e-4, atol=2e-6, equal_nan=True)  # as tests/deep_nested/test_deep_nested.py
 STATE_TOL = dict(rtol=2e-4, atol=1e-7, equal_nan=True)
 
 
@@ -129,6 +129,7 @@ def _run(seed):
         sync(ref, ours, model_ref, model_ours)
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore")  # the skip and no-loss warnings the operations cause
 @pytest.mark.parametrize("block", range(4))
 def test_random_operation_sequences_match_the_reference(block, capsys):

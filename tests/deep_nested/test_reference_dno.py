@@ -641,6 +641,7 @@ def test_state_dict_resume_bitwise_cms_legacy(freqs):
                  n_before=12, n_after=18)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("freqs", [[1, 10, 100], [1, 5, 50]])
 def test_state_dict_resume_bitwise_cms_direct(freqs):
     """The surrogate output history is not saved (§12): the resumed run equals the uninterrupted
@@ -789,6 +790,7 @@ def test_deterministic_given_seed():
         assert_bitwise(a, b)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preprocessing", [True, False])
 def test_cms_meta_proxy_past_warmup_has_no_mlp_gradient_b2(preprocessing):
     """CMS mode, 10 meta-updates: the last one computes a real MLP proxy loss Q (e0 is nonzero

@@ -22,8 +22,8 @@ import torch
 
 import titanmac_c
 from titanmac_c._internal import profiling as _profiling
+from conftest import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "benchmarks")
 
 
@@ -286,6 +286,7 @@ def test_bench_host_tiny_run_prints_every_row(capsys):
 
 # -------------------------------------------------------------------------- bench_phase1.py
 
+@pytest.mark.slow
 def test_bench_phase1_tiny_run_counts_every_implementation(capsys):
     """One Phase 1 of each implementation on the CPU: every row printed with its ATen op count;
     CUDA's torch ops dispatch well under the reference autograd's count (the host time they

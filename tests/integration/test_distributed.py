@@ -20,8 +20,9 @@ import torch.multiprocessing as mp
 import titanmac_c
 from conftest import CUDA
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                reason="torch.distributed with gloo is not available")
+pytestmark = [pytest.mark.distributed,
+              pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                 reason="torch.distributed with gloo is not available")]
 
 WORLD = 2
 STEPS = 6
@@ -804,6 +805,7 @@ def test_zero_redundancy_optimizer_with_titanmac_adamw(ranks):
             torch.testing.assert_close(a, b, **CLOSE)
 
 
+@pytest.mark.cuda
 def test_fsdp2_on_cuda_matches_torch_without_host_syncs(cuda_rank):
     res = _result(cuda_rank, "scenario_cuda")
     ours, theirs = res["ours"], res["torch"]

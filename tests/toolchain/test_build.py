@@ -3,17 +3,16 @@ the CUDA backend where the build required it, a CPU loop body the CPU can run; a
 distribution carries what its build and tests read."""
 
 import os
-import pathlib
 import shutil
 import subprocess
 import sys
 import tarfile
 
+import pytest
+
 import titanmac_c
 from titanmac_c import _C
-from conftest import child_env
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from conftest import ROOT, child_env
 
 
 def source_copy(tmp_path):
@@ -33,6 +32,7 @@ def test_extension_is_compiled_c():
     assert titanmac_c.cpu_isa() in ("generic", "avx2", "avx512")
 
 
+@pytest.mark.slow
 def test_a_torch_older_than_2_10_is_refused_at_import(tmp_path):
     """pyproject's torch>=2.10 binds only pip's resolver: an older torch installed otherwise is
     named at import instead of failing in the middle of a step. Dev builds of 2.10 are taken."""

@@ -40,8 +40,9 @@ def eager_only(fn):
     return eager
 
 
-# with the separator: torch's folder name is a prefix of torchvision's
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+# titanmac_c's folder (this file is in its _internal/), with the separator: torch's folder name
+# is a prefix of torchvision's
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 
 

@@ -9,7 +9,7 @@ tensor, a reload re-captures (B8, B9, B10 fixed), and so does a change of a numb
 take from the host (max_grad_norm, the weight decay, AdamW's group hyperparameters). Tested on
 an H100 against eager, AdamW and CMS modes with the DirectUpdateMLP; the two-graph Phase 1 step,
 the legacy network's capture and the re-captures not yet: their logic is tested on the CPU with
-simulated replays (tests/test_deep_nested_cms.py).
+simulated replays (tests/cms/test_deep_nested_cms.py).
 """
 
 import operator

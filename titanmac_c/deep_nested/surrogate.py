@@ -34,7 +34,7 @@ from .nets import PREPROCESS_P
 CHUNK_MIN = 1 << 20
 CHUNK_MAX = 1 << 22
 # Rows summed in float32 in the weights' gradients (_rows_outer_sum): as accurate as the C op's
-# double sums (tests/test_cms_surrogate.py: <= 1e-6 of the largest entry); one float32 sum over
+# double sums (tests/cms/test_cms_surrogate.py: <= 1e-6 of the largest entry); one float32 sum over
 # a chunk's rows (a plain matmul) was 1e-3 off at 72,000 rows, and a double matmul is ~20x
 # slower on a CPU and 1/64 rate on most GPUs.
 ROW_BLOCK = 64
