@@ -6,8 +6,8 @@ implementation:
   reference   the pure-PyTorch reference's _train_mlp_surrogate (autograd of the loss, one
               backward of the mean, host reads of the norms' branches)
   c_op        ours with the C core's op (tm_cms_surrogate; the CPU's path, CPU only)
-  torch_ops   ours with its algorithm in torch ops (titanmac_c/deep_nested/surrogate.py; CUDA's path,
-              measured on the CPU too)
+  torch_ops   ours with its algorithm in torch ops (titanmac_c/deep_nested/surrogate.py; CUDA's
+              path, measured on the CPU too)
 
 and prints the ATen ops one Phase 1 dispatches (the host cost on CUDA, where each is a launch or
 a few us of host time), its time (median of --reps calls, synchronized), and on CUDA the peak

@@ -1,9 +1,10 @@
 """Profile training steps with the pure-PyTorch reference DeepNestedOptimizer and with titanmac_c,
 and print the tables of TitanMAC's profiling reports side by side.
 
-For each model size and implementation (reference = titanmac_c.testing.reference_dno, the stand-in for
-the upstream optimizer, given loss.item() as the upstream scripts do; titanmac_c given the loss
-tensor), on the same model, options (bench_train.OPT_KW) and batches as benchmarks/bench_train.py:
+For each model size and implementation (reference = titanmac_c.testing.reference_dno, the
+stand-in for the upstream optimizer, given loss.item() as the upstream scripts do; titanmac_c
+given the loss tensor), on the same model, options (bench_train.OPT_KW) and batches as
+benchmarks/bench_train.py:
 
   1. --warmup steps, not measured;
   2. --steps steps timed without a profiler, as bench_train.py times them: steps per second and
@@ -11,8 +12,9 @@ tensor), on the same model, options (bench_train.OPT_KW) and batches as benchmar
   3. --profile-steps steps under torch.profiler (CPU activity, plus CUDA on a GPU; memory on),
      from which come
        - the parts of a step: train/forward, train/backward, train/optimizer and, inside the
-         optimizer, the titanmac/* ranges (titanmac_c._internal.profiling names: stats, controller, clip,
-         update, cms, meta; the reference's methods are wrapped here to emit the same names);
+         optimizer, the titanmac/* ranges (titanmac_c._internal.profiling names: stats,
+         controller, clip, update, cms, meta; the reference's methods are wrapped here to emit
+         the same names);
        - top operations by device time (CUDA only) and by host time (self time);
        - kernel launches per step (CUDA), host syncs per step (CUDA: sync-debug-mode warnings in
          one extra optimizer step; everywhere: device-to-host scalar reads, i.e.
@@ -126,8 +128,8 @@ def annotate_reference(opt):
 
 def annotate_titanmac_c(opt):
     """Until the DeepNestedOptimizer emits the ranges itself: wrap its parts from outside. In
-    titanmac_c the clip has no pass of its own: the coefficient comes out of the control op (controller
-    range) and is applied as the update loads each gradient (update range)."""
+    titanmac_c the clip has no pass of its own: the coefficient comes out of the control op
+    (controller range) and is applied as the update loads each gradient (update range)."""
     _wrap_method(opt._control, "run_norms", P.STATS)
     _wrap_method(opt._control, "control", P.CONTROLLER)
     _wrap_method(opt.base_optimizer, "_fused_step", P.UPDATE)
@@ -138,8 +140,8 @@ def annotate_titanmac_c(opt):
 
 def emits_ranges():
     """True when titanmac_c's own modules use titanmac_c._internal.profiling (then its steps
-    record the titanmac/* ranges themselves and nothing is wrapped here). Decided without running a step,
-    so both implementations train on exactly the same batches."""
+    record the titanmac/* ranges themselves and nothing is wrapped here). Decided without running
+    a step, so both implementations train on exactly the same batches."""
     from titanmac_c.deep_nested import optimizer
     from titanmac_c.optim import adamw
     for module in (optimizer, adamw):

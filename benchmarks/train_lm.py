@@ -30,8 +30,8 @@ download), or --text FILE for your own (a plain text file; characters are the to
     python benchmarks/train_lm.py --text my.txt --d-model 384 --layers 6 --save lm.pt
 
 To compare with the pure-PyTorch stand-in of TitanMAC's optimizer, --optimizer reference swaps in
-titanmac_c.testing.reference_dno.ReferenceDeepNestedOptimizer (it needs a float loss: one host sync per
-step, which is what the titanmac_c version removes).
+titanmac_c.testing.reference_dno.ReferenceDeepNestedOptimizer (it needs a float loss: one host
+sync per step, which is what the titanmac_c version removes).
 """
 
 import argparse

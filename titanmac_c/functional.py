@@ -14,7 +14,8 @@ Differences from torch (also listed in the README):
   channels_last); others (strided slices, expanded tensors) are read through a contiguous copy
   (_internal/runtime.py: call_dense), and gradients of that kind are scaled by torch's mul_.
 - DTensors (FSDP2, tensor parallel): the local shards' norms are reduced over the device mesh
-  (_internal/distributed.py: ShardedNorms); the norm is returned as a replicated DTensor, as torch's.
+  (_internal/distributed.py: ShardedNorms); the norm is returned as a replicated DTensor, as
+  torch's.
 """
 
 import types

@@ -500,7 +500,8 @@ def test_graph_mode_step_logic_with_simulated_replays(monkeypatch, fixes):
                                              fix_reference_bugs=fixes,
                                              cms_frequencies=[1, 3, 7],  # kinds of step
                                              cuda_graph_warmup_steps=2)
-        opt._cms_mode.phase1_cpu_path = False  # CUDA's Phase 1 (torch ops, no host read of the skip)
+        # CUDA's Phase 1 (torch ops, no host read of the skip)
+        opt._cms_mode.phase1_cpu_path = False
         if graph:
             opt._graph = opt._graph_state()
         for step, batch in enumerate(batches, 1):

@@ -1,6 +1,6 @@
-"""titanmac_c.DeepNestedOptimizer against the pure-PyTorch reference (titanmac_c.testing.reference_dno),
-step by step: losses, multipliers, parameters and AdamW state at every step, including steps with
-an injected NaN loss and an injected Inf gradient.
+"""titanmac_c.DeepNestedOptimizer against the pure-PyTorch reference
+(titanmac_c.testing.reference_dno), step by step: losses, multipliers, parameters and AdamW
+state at every step, including steps with an injected NaN loss and an injected Inf gradient.
 
 Tolerance (fp32): the C core computes norms in double, the controller MLP in its own summation
 order and the learning rate base_lr * mu in float32, where the reference uses torch's float

@@ -274,7 +274,8 @@ def test_b1_phase1_in_the_c_core_trains_like_the_torch_ops(dtype):
             # before the step (.grad keeps the unclipped values; opt._control.coef is the clip's)
             mlp, moms, history = before
             expected = torch.stack([
-                compute_surrogate_loss(mlp(p.grad * opt._control.coef, m), p.grad * opt._control.coef,
+                compute_surrogate_loss(mlp(p.grad * opt._control.coef, m),
+                                       p.grad * opt._control.coef,
                                        history.get(opt._cms.index[p]))
                 for p, m in zip(model.parameters(), moms)]).mean()
             torch.testing.assert_close(results[0]["surrogate_loss"], expected.float(), rtol=1e-5,

@@ -1,5 +1,5 @@
-"""The pure-PyTorch reference DeepNestedOptimizer (titanmac_c.testing.reference_dno) against the spec
-(reference/deep_nested_optimizer.md) itself: groups and depths, the controller, the AdamW step
+"""The pure-PyTorch reference DeepNestedOptimizer (titanmac_c.testing.reference_dno) against the
+spec (reference/deep_nested_optimizer.md) itself: groups and depths, the controller, the AdamW step
 by hand, the NaN skips, controller_update_freq, the return dicts, the checkpoint layout and
 bitwise resume, CMS mode with both momentum networks, and the loss going down."""
 
@@ -15,9 +15,10 @@ import torch.nn as nn
 from conftest import DEVICES
 from dno_models import loss_fn, make_mlp_10_32_5, make_titanmac_like_model, synthetic_batches
 from titanmac_c.testing import reference_dno as ref
-from titanmac_c.testing.reference_dno import (ContinuumMemoryState, DeepNestedOptimizer, DirectUpdateMLP,
-                                       L2RegressionMomentum, NestedController,
-                                       ReferenceDeepNestedOptimizer, SimplifiedMetaTrainer)
+from titanmac_c.testing.reference_dno import (ContinuumMemoryState, DeepNestedOptimizer,
+                                              DirectUpdateMLP, L2RegressionMomentum,
+                                              NestedController, ReferenceDeepNestedOptimizer,
+                                              SimplifiedMetaTrainer)
 
 
 # ---------------------------------------------------------------------------------------------

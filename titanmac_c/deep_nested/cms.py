@@ -305,7 +305,8 @@ class CMSMode:
             ema_decays=cms.ema_decays, net=self.net, hidden=self.hidden,
             layers=self.layers, weight_decay=step.weight_decay, t=float(step.t),
             base_lr=step.base_lr, loss=control.loss, grad_scale=control.coef,
-            skip=control.skipped, context=context, scratch=scratch, check_only=check_only, **exec_kwargs(self.device))
+            skip=control.skipped, context=context, scratch=scratch, check_only=check_only,
+            **exec_kwargs(self.device))
 
     def mlp_proxy_loss(self, loss_value, grad_scale, meta_trainer, global_step, base_lr, mlp):
         """Spec 9.3 in CMS mode (in AdamW mode every target is zero, so it is 0). No gradient

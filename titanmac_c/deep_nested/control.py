@@ -160,7 +160,8 @@ class Control:
         grad_in, param_in = self.controller_inputs(n[0:g], n[g:2 * g])
         try:
             self.call_control(
-                controller, grad_in, param_in, n[2 * g:], self.loss, self.lr_multipliers, self.ema_loss,
+                controller, grad_in, param_in, n[2 * g:], self.loss, self.lr_multipliers,
+                self.ema_loss,
                 self.lr, self.coef, self.skipped, update_controller=update,
                 first_step=(t == 1), check_loss=check_loss,
                 base_lr=base_lr, max_grad_norm=max_grad_norm, previous=self.previous)

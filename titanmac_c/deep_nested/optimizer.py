@@ -29,8 +29,7 @@ and no host read; the reference's clip and Adam step) and Phase 2 as one call of
 (tm_cms_step: accumulation, level firings, EMAs, the momentum network per element or per
 tensor, the clamp, the NaN skips, the sqrt(n) combination, weight decay and the update; its
 checks run first on a Phase 1 step, tm_cms_check, so a refused step trains nothing). CMS
-buffers exist only in
-CMS mode.
+buffers exist only in CMS mode.
 
 Layout: this file holds the constructor, the public surface and the order of a step, composing
 its parts as objects with explicit fields: GroupedParams and NetworkWeights (params.py, the tensors
