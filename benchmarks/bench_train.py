@@ -4,7 +4,8 @@ optimizer, host syncs included) and with titanmac_c.DeepNestedOptimizer, and rep
 implementation: steps per second, optimizer time per step (median, and mean: in CMS mode every
 5th step also trains the momentum MLP (Phase 1: torch autograd in the reference; in ours the C
 core on the CPU, its algorithm in torch ops on CUDA), which the median leaves out), and on CUDA
-kernel launches and host syncs inside one optimizer step, plus the loss after the run (the two must agree).
+kernel launches and host syncs inside one optimizer step, plus the loss after the run (the two
+must agree).
 
 Peak memory: on CUDA torch.cuda.max_memory_allocated; on the CPU the peak resident set size of
 a subprocess that trains only one implementation (so neither counts the other's tensors), next
