@@ -2,7 +2,14 @@
 
 No torch at build time: tensors come in through DLPack. The C sources are every *.c under
 csrc/{common,core,cpu,python}; the ISA files get their own flags; csrc/cuda/*.cu go through nvcc.
-All objects compile in a thread pool, then one link (as llm.c's Makefile and apex's setup.py do).
+All objects compile concurrently, then one link (as llm.c's Makefile and apex's setup.py do): one
+thread pool of os.cpu_count() compilers (TITANMAC_BUILD_JOBS overrides it) takes the longest
+compiles first, so that none starts last and runs alone: the C files that hold every CPU loop
+body (LOOP_FILES), then the CUDA files, the largest first (each nvcc compiles its archs one after
+another), then the other C files. Where the machine has at least twice as many cores as
+there are CUDA files, each nvcc also compiles its archs in parallel (nvcc --threads), and the pool
+shrinks to match, so that no more compilers run at once than there are cores. It prints what it
+compiles (the C files, each CUDA file with its archs, and how long each took).
 
 Environment (defaults first):
   TITANMAC_WITH_CUDA   auto | 0 | 1   auto: CUDA when nvcc is found and csrc/cuda has .cu files;
@@ -16,6 +23,7 @@ Environment (defaults first):
   TITANMAC_NATIVE      0 | 1          -march=native (never in a build meant for other machines)
   TITANMAC_WERROR      0 | 1          -Werror
   TITANMAC_SANITIZE    0 | 1          -fsanitize=address,undefined (load with libasan preloaded)
+  TITANMAC_BUILD_JOBS  os.cpu_count()  compilers run at once
   CUDA_HOME / CUDA_PATH               where to look for nvcc and libcudart_static first
 """
 
@@ -26,6 +34,9 @@ import platform
 import re
 import shutil
 import subprocess
+import sys
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from setuptools import Extension, setup
@@ -52,6 +63,9 @@ ISA_FLAGS = {
     "csrc/cpu/cpu_avx2.c": ["-mavx2", "-mfma", "-mf16c"],
     "csrc/cpu/cpu_avx512.c": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma", "-mf16c"],
 } if IS_X86_64 else {}
+# The C files that compile every CPU loop body (one instruction set each): the longest C compiles,
+# started first.
+LOOP_FILES = ("csrc/cpu/cpu_generic.c", "csrc/cpu/cpu_avx2.c", "csrc/cpu/cpu_avx512.c")
 
 
 def env_on(name, default):
@@ -117,6 +131,34 @@ def default_archs(nvcc):
     return ";".join(a for a in DEFAULT_ARCHS.split(";") if a in known) or DEFAULT_ARCHS
 
 
+def build_jobs():
+    """Compilers to run at once: TITANMAC_BUILD_JOBS, else the CPU count."""
+    value = os.environ.get("TITANMAC_BUILD_JOBS", "").strip()
+    if not value:
+        return os.cpu_count() or 1
+    if not value.isdigit() or int(value) < 1:
+        raise SystemExit(f"titanmac_c: TITANMAC_BUILD_JOBS={value!r}: expected a count >= 1")
+    return int(value)
+
+
+_print_lock = threading.Lock()
+
+
+def say(text):
+    """One whole line on stdout, also from the pool's threads."""
+    with _print_lock:
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
+
+
+def arch_names(gencode):
+    """The -gencode flags as 'sm_75, sm_80, ... + PTX compute_120'."""
+    codes = [flag.split("code=")[1] for flag in gencode if "code=" in flag]
+    sass = [c for c in codes if c.startswith("sm_")]
+    ptx = [c for c in codes if c.startswith("compute_")]
+    return ", ".join(sass) + (" + PTX " + ", ".join(ptx) if ptx else "")
+
+
 def gencode_flags(archs):
     """"90;90a;120" -> -gencode SASS for each entry, plus PTX of the highest (newer GPUs JIT it)."""
     flags, numbers = [], []
@@ -136,8 +178,9 @@ def gencode_flags(archs):
 
 
 class BuildExt(build_ext):
-    """Compiles every object of the extension in a thread pool (C with per-file ISA flags, CUDA
-    with nvcc), skipping objects whose source, headers and command are unchanged, then links."""
+    """Compiles every object of the extension in a thread pool (the C loop files, CUDA with nvcc
+    largest first, the other C files; C with per-file ISA flags), skipping objects whose source,
+    headers and command are unchanged, then links."""
 
     def build_extension(self, ext):
         cuda_mode = env_mode("TITANMAC_WITH_CUDA")
@@ -182,14 +225,36 @@ class BuildExt(build_ext):
             f" + cuda (archs {archs}, {nvcc})" if with_cuda else f" only (no CUDA: {missing})"),
             flush=True)
 
-        jobs = [self._c_job(ext, src, cflags + ISA_FLAGS.get(src, []), macros)
-                for src in ext.sources]
+        cpus = build_jobs()
+        c_first = [src for src in ext.sources if src in LOOP_FILES]
+        c_rest = [src for src in ext.sources if src not in LOOP_FILES]
+        jobs = [self._c_job(ext, src, cflags + ISA_FLAGS.get(src, []), macros) for src in c_first]
+        workers = cpus
         if with_cuda:
+            # the longest compiles first: a long nvcc started last would run alone at the end
+            cu_files.sort(key=os.path.getsize, reverse=True)
+            gencode = gencode_flags(archs)
+            n_archs = sum(1 for flag in gencode if "code=" in flag)
+            # spare cores: each nvcc compiles archs in parallel, the pool shrinks to match
+            # (nvcc jobs * threads + the other workers never exceed cpus)
+            threads = max(1, min(n_archs, cpus // len(cu_files)))
+            workers = max(1, cpus - len(cu_files) * (threads - 1))
             incs = [f"-I{d}" for d in ext.include_dirs]
-            nvflags = NVCC_FLAGS + ["-DTM_WITH_CUDA=1"] + incs + gencode_flags(archs)
+            nvflags = (NVCC_FLAGS + ["-DTM_WITH_CUDA=1"] + incs + gencode
+                       + (["--threads", str(threads)] if threads > 1 else []))
+            say(f"titanmac_c: {len(cu_files)} CUDA files ({', '.join(cu_files)}) for "
+                f"{arch_names(gencode)}"
+                + (f", {threads} archs at once per file" if threads > 1 else ""))
             jobs += [self._nvcc_job(nvcc, src, nvflags) for src in cu_files]
-        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-            objects = list(pool.map(lambda job: job(), jobs))
+        say(f"titanmac_c: {len(ext.sources)} C files ({', '.join(ext.sources)}); "
+            f"{workers} compilers at once")
+        jobs += [self._c_job(ext, src, cflags + ISA_FLAGS.get(src, []), macros) for src in c_rest]
+        start = time.perf_counter()
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            built = set(pool.map(lambda job: job(), jobs))
+        # linked in a fixed order: the C objects by path (as listed), then the CUDA ones
+        objects = sorted(built, key=lambda obj: (obj.endswith(".cu.o"), obj))
+        say(f"titanmac_c: compiled in {time.perf_counter() - start:.0f} s; linking")
 
         self.compiler.link_shared_object(
             objects, self.get_ext_fullpath(ext.name), libraries=libraries,
@@ -236,11 +301,15 @@ class BuildExt(build_ext):
         command = [nvcc, "-c", src, "-o", obj] + flags
 
         def run():
-            if not self._fresh(src, obj, command):
-                print(" ".join(command), flush=True)
-                subprocess.run(command, check=True)
-                with open(obj + ".cmd", "w") as f:
-                    f.write(json.dumps(command))
+            if self._fresh(src, obj, command):
+                say(f"titanmac_c: {src} is up to date")
+                return obj
+            say(" ".join(command))
+            start = time.perf_counter()
+            subprocess.run(command, check=True)
+            say(f"titanmac_c: nvcc {src} done in {time.perf_counter() - start:.1f} s")
+            with open(obj + ".cmd", "w") as f:
+                f.write(json.dumps(command))
             return obj
         return run
 

@@ -12,7 +12,6 @@ Usage: python benchmarks/bench_distributed.py [--device cpu|cuda] [--world N] [-
 (one process per rank; gloo on the CPU, nccl on CUDA, one GPU per rank)
 """
 
-import argparse
 import datetime
 import os
 import statistics
@@ -27,6 +26,7 @@ import torch.multiprocessing as mp
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE]
 import titanmac_c  # noqa: E402
+from _cli import make_parser  # noqa: E402
 
 
 def _model(layers, width, device):
@@ -112,12 +112,15 @@ def _rank_main(rank, args, init_file):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser = make_parser("Optimizer step and clip_grad_norm_ of an FSDP2-sharded model: "
+                         "titanmac_c against torch, per rank.")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="gloo on the CPU, nccl on CUDA (one GPU per rank)")
     parser.add_argument("--world", type=int, default=1, help="ranks (processes)")
-    parser.add_argument("--layers", type=int, default=100)
-    parser.add_argument("--width", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--layers", type=int, default=100, help="linear layers of the model")
+    parser.add_argument("--width", type=int, default=16,
+                        help="width of each layer (4096 and up: memory-bound figures)")
+    parser.add_argument("--steps", type=int, default=30, help="timed calls (median reported)")
     args = parser.parse_args(argv)
     if not dist.is_available():
         sys.exit("torch.distributed is not available in this torch build")

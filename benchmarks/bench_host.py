@@ -1,7 +1,7 @@
 """Host time of one optimizer step: tensors of 4 elements, so the arithmetic is nothing and what
 is timed is the Python shim, the DLPack intake and the C core's validation (on CUDA, also the
-launches). The targets of issue 3 (<= 50 us a step for 48 tensors, <= 150 us for 1,000) are
-about this cost.
+launches). The step's host-cost targets (<= 50 us a step for 48 tensors, <= 150 us for 1,000)
+are about this cost.
 
 Times (median of many steps, microseconds): titanmac_c.AdamW.step, clip_grad_norm_ + step,
 torch.optim.AdamW(fused=True).step, and the DeepNestedOptimizer's step in AdamW mode on the
@@ -16,7 +16,6 @@ Usage: python benchmarks/bench_host.py [--device cpu|cuda] [--counts 48,1000] [-
                                        [--controllers 32x2,1024x4]
 """
 
-import argparse
 import os
 import sys
 import time
@@ -26,6 +25,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.join(HERE, "..", "tests")]
 import titanmac_c  # noqa: E402
+from _cli import make_parser  # noqa: E402
 from bench_step import enqueue_seconds  # noqa: E402
 from dno_models import make_titanmac_like_model  # noqa: E402
 from titanmac_c.testing.reference_dno import ReferenceDeepNestedOptimizer  # noqa: E402
@@ -129,10 +129,13 @@ def layout_rows(device, steps):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--counts", default="48,1000")
-    parser.add_argument("--steps", type=int, default=1000)
+    parser = make_parser("Host time of one optimizer step on 4-element tensors (the Python shim, "
+                         "DLPack intake and validation).")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--counts", default="48,1000",
+                        help="tensor counts of the AdamW rows, comma-separated")
+    parser.add_argument("--steps", type=int, default=1000,
+                        help="timed steps (a tenth for counts over 100)")
     parser.add_argument("--controllers", default="32x2,1024x4",
                         help="controller shapes HxL for the controller rows ('' for none)")
     args = parser.parse_args(argv)

@@ -19,7 +19,6 @@ fix_reference_bugs (the clipped gradient as the target: the normed path).
 Usage: python benchmarks/bench_phase1.py [--device cpu|cuda] [--reps 10] [--steps 5] [--fixed]
 """
 
-import argparse
 import os
 import statistics
 import sys
@@ -35,6 +34,7 @@ from dno_models import loss_fn, make_titanmac_like_model, synthetic_batches  # n
 import titanmac_c  # noqa: E402
 from titanmac_c.testing.reference_dno import ReferenceDeepNestedOptimizer  # noqa: E402
 from bench_train import OPT_KW  # noqa: E402
+from _cli import make_parser  # noqa: E402
 
 
 class CountOps(TorchDispatchMode):
@@ -94,11 +94,14 @@ def measure(kind, device, reps, steps, fixed):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--reps", type=int, default=10)
+    parser = make_parser("Phase 1 of the CMS step alone (the momentum MLP's surrogate training), "
+                         "per implementation.")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cpu or cuda (default: cuda when available, else cpu)")
+    parser.add_argument("--reps", type=int, default=10, help="timed Phase 1 calls (median)")
     parser.add_argument("--steps", type=int, default=5, help="training steps before measuring")
-    parser.add_argument("--fixed", action="store_true", help="ours with fix_reference_bugs")
+    parser.add_argument("--fixed", action="store_true",
+                        help="titanmac_c with fix_reference_bugs=True")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     warnings.filterwarnings("ignore", message="Converting a tensor with requires_grad")

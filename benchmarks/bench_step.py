@@ -28,7 +28,6 @@ Usage: python benchmarks/bench_step.py [--device cpu|cuda] [--sizes ...] [--reps
                                        [--out benchmarks/out/bench_step_cpu.json]
 """
 
-import argparse
 import json
 import os
 import platform
@@ -289,15 +288,19 @@ def print_table(rows):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cpu")
+    from _cli import make_parser
+    parser = make_parser("Optimizer-step benchmark: titanmac_c against torch (AdamW, clip + AdamW, "
+                         "amp + AdamW), as ratios measured in one run.")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--sizes", default=None,
-                        help="shape sets: 1M,10M,50M (CPU default), titanmac,gpt2,1b,1000t "
-                             "(CUDA default)")
-    parser.add_argument("--reps", type=int, default=7)
-    parser.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+                        help="shape sets, comma-separated (default: 1M,10M,50M on the CPU, "
+                             "titanmac,gpt2,1b,1000t on CUDA)")
+    parser.add_argument("--reps", type=int, default=7,
+                        help="timed repetitions per variant (median reported)")
+    parser.add_argument("--dtype", choices=["float32", "float64"], default="float32",
+                        help="dtype of parameters, gradients and state")
     parser.add_argument("--out", default=None,
-                        help="JSON results (default benchmarks/out/bench_step_<device>.json, "
+                        help="JSON results (default: benchmarks/out/bench_step_<device>.json, "
                              "bench_step_<device>_float64.json with --dtype float64)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)

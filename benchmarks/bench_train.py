@@ -128,17 +128,22 @@ IMPLS = ("reference", "titanmac_c", "titanmac_c_graph")
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--mode", choices=("adamw", "cms"), default="adamw")
+    sys.path.insert(0, HERE)
+    from _cli import make_parser
+    parser = make_parser("Train the TitanMAC-like model with the reference DeepNestedOptimizer and "
+                         "with titanmac_c's: steps/s, optimizer time, launches, syncs, memory.")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cpu or cuda (default: cuda when available, else cpu)")
+    parser.add_argument("--mode", choices=("adamw", "cms"), default="adamw",
+                        help="the DeepNestedOptimizer's mode")
     parser.add_argument("--net", choices=("direct", "legacy"), default="direct",
                         help="CMS mode's momentum network: DirectUpdateMLP (use_preprocessing="
-                             "True, the default) or the legacy L2RegressionMomentum")
+                             "True) or the legacy L2RegressionMomentum")
     parser.add_argument("--only", choices=IMPLS, help=argparse.SUPPRESS)
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=60, help="timed training steps")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps first")
     parser.add_argument("--out", default=None,
-                        help="JSON results (default benchmarks/out/bench_train[_cms|_legacy]_"
+                        help="JSON results (default: benchmarks/out/bench_train[_cms|_legacy]_"
                              "<device>.json, the name profile_step.py --compare looks for)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)

@@ -6,7 +6,6 @@ last 10 steps.
 Usage: python benchmarks/corrections.py [--steps 150] [--device cpu] [--out ...json]
 """
 
-import argparse
 import json
 import os
 import sys
@@ -18,6 +17,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from dno_models import loss_fn, make_titanmac_like_model, synthetic_batches  # noqa: E402
 
 import titanmac_c  # noqa: E402
+from _cli import make_parser  # noqa: E402
 from _progress import Progress  # noqa: E402
 
 
@@ -28,7 +28,9 @@ def run(mode, fix, steps, device, batches):
                                          use_cms_updates=(mode == "cms"), meta_update_freq=50,
                                          fix_reference_bugs=fix)
     losses = []
-    for batch in Progress(batches[:steps], desc=f"{mode} fix={fix}"):
+    behaviour = "fix_reference_bugs=True" if fix else "reference behaviour"
+    desc = f"titanmac_c {mode.upper() if mode == 'cms' else 'AdamW'}-mode, {behaviour}: training"
+    for batch in Progress(batches[:steps], desc=desc, unit="step"):
         opt.zero_grad()
         loss = loss_fn(model, batch)
         loss.backward()
@@ -39,11 +41,13 @@ def run(mode, fix, steps, device, batches):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=150)
-    parser.add_argument("--device", default="cpu")
+    parser = make_parser("Train the TitanMAC-like model with the reference's behaviour and with "
+                         "fix_reference_bugs=True, and compare the losses.")
+    parser.add_argument("--steps", type=int, default=150, help="training steps per run")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                      "out", "corrections.json"))
+                                                      "out", "corrections.json"),
+                        help="JSON results (default: benchmarks/out/corrections.json)")
     args = parser.parse_args(argv)
     batches = synthetic_batches("titanmac", args.steps, seed=0, device=args.device)
     rows = [run(mode, fix, args.steps, args.device, batches)

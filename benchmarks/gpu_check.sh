@@ -1,22 +1,21 @@
 #!/usr/bin/env bash
-# One command for whoever has a GPU: build the CUDA backend offline, run the whole test suite on
-# CUDA, run compute-sanitizer (memcheck and racecheck) over the CUDA tests, run the GPU benchmark,
-# and print one summary table. Paste its output into benchmarks/RESULTS.md with the date, device,
-# torch version and this command.
+# The GPU checks in one command: build the CUDA backend offline, run the whole test suite on
+# CUDA, run compute-sanitizer (memcheck and racecheck) over the CUDA tests, run the GPU
+# benchmarks, and print one summary table. The benchmarks' JSON and logs land in OUT; a result
+# recorded from them goes in benchmarks/results/ (benchmarks/make_results.py describes the format),
+# with the date, device, torch version and command as its metadata.
 #
 # Usage: bash benchmarks/gpu_check.sh            (from the repository root; needs torch + nvcc)
-#        On a machine that gives the script a fixed time (and returns only a few files): one
-#        run with BUDGET, a little under that time, so the script stops starting steps in time
-#        to pack what it has; the tests that need a GPU only (marker `cuda`, pyproject.toml),
-#        the CPU tests being CI's; STEPS and SAN_K narrowed to what is to be checked, e.g.:
+#        Under a time limit, and where only a few files can be kept: BUDGET a little under the
+#        limit, so that the script stops starting steps in time to pack what it has (PACK=1);
+#        the tests that need a GPU only (marker `cuda`, pyproject.toml; the CPU tests run in CI);
+#        STEPS and SAN_K narrowed to what is to be checked, e.g. for a limit of 570 s:
 #          OUT=$OUT PACK=1 BUDGET=520 TESTS_M=cuda \
 #            SAN_K="test_layouts or test_disjoint_check or test_deep_nested_inputs" \
 #            STEPS="build tests train_cms phase1 train_legacy memcheck" bash benchmarks/gpu_check.sh
-#        under a limit of 570 s. Timings on an H100: build ~30 s, the whole suite ~155 s when it
-#        was a third of its present size (it runs in 8 processes where pytest-xdist is
-#        installed), memcheck and racecheck ~5 and ~20 s a test, a bench_train run 20-60 s.
-#        memcheck, last, gets what is left; summary.txt gives each step's seconds, for planning
-#        the next run.
+#        Measured on an H100 (one arch): build ~30 s, memcheck and racecheck ~5 and ~20 s a test,
+#        a bench_train run 20-60 s; the test suite runs in 8 processes where pytest-xdist is
+#        installed. memcheck, last, gets what is left; summary.txt gives each step's seconds.
 # Env:   TITANMAC_CUDA_ARCHS  defaults to the compute capability of GPU 0 (fast build)
 #        OUT                  folder for logs and JSON (default benchmarks/out)
 #        STEPS                which checks to run, always in the script's order (default:
@@ -31,7 +30,7 @@
 #                             the markers are registered in pyproject.toml)
 #        TESTS_K              pytest -k selection within it (default: none)
 #        PACK=1               at the end, pack every file in OUT but summary.txt into
-#                             OUT/gpu_check.tar.gz (for a machine that returns only a few files)
+#                             OUT/gpu_check.tar.gz (one file to keep instead of many)
 #        SAN_M                pytest -m selection of both sanitizers (default: "cuda and not
 #                             distributed")
 #        SAN_K, RACE_K        pytest -k selections within it of memcheck and racecheck (defaults
@@ -82,7 +81,7 @@ python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.versio
 
 step build env TITANMAC_WITH_CUDA=1 python3 -m pip install --no-build-isolation --no-deps -q .
 # With pytest-xdist (where it is installed) the suite runs in TEST_WORKERS processes, each
-# with 2 CPU threads (it passes so on the CPU machine too; each process holds its own CUDA
+# with 2 CPU threads (the suite passes so on the CPU too; each process holds its own CUDA
 # context); TEST_WORKERS=0 runs it in one.
 if [ "${TEST_WORKERS:-8}" != 0 ] && python3 -c "import xdist" 2>/dev/null; then
     PYTEST=(env OMP_NUM_THREADS=2 python3 -P -m pytest -n "${TEST_WORKERS:-8}")

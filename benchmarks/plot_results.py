@@ -17,7 +17,6 @@ Usage: python benchmarks/plot_results.py [--inputs a.json b.json ...] [--out ben
 Needs matplotlib (pip install matplotlib).
 """
 
-import argparse
 import glob
 import json
 import os
@@ -227,11 +226,16 @@ def make_figures(inputs):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sys.path.insert(0, HERE)
+    from _cli import make_parser
+    parser = make_parser("PNG plots from the benchmark JSON files: step time against model size, "
+                         "bandwidth as a fraction of copy bandwidth.")
     parser.add_argument("--inputs", nargs="*", default=None,
-                        help="JSON files (default: benchmarks/out/*.json)")
-    parser.add_argument("--out", default=os.path.join(HERE, "plots"), help="output folder")
-    parser.add_argument("--dpi", type=int, default=110)
+                        help="JSON files (default: benchmarks/out/*.json, the newest of each kind "
+                             "per device)")
+    parser.add_argument("--out", default=os.path.join(HERE, "plots"),
+                        help="output folder (default: benchmarks/plots)")
+    parser.add_argument("--dpi", type=int, default=110, help="resolution of the PNGs")
     args = parser.parse_args(argv)
     inputs = args.inputs or sorted(glob.glob(os.path.join(HERE, "out", "*.json")))
     if not inputs:

@@ -37,7 +37,6 @@ Sizes: "titanmac" is tests/dno_models' TitanMAC-like LM (3.2M parameters, bench_
 token batches.
 """
 
-import argparse
 import contextlib
 import gc
 import gzip
@@ -58,7 +57,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
-from _progress import progress  # noqa: E402
+from _cli import make_parser  # noqa: E402
+from _progress import progress, progress_rows  # noqa: E402
 from bench_train import OPT_KW  # noqa: E402
 from dno_models import loss_fn, make_titanmac_like_model, synthetic_batches  # noqa: E402
 
@@ -247,12 +247,18 @@ def run_size(size, device, args, batches, trace_dir):
     """Warm-up and timed steps of both implementations interleaved step by step (so the drifts
     of a shared machine hit both alike), then each one's profiled steps on its own."""
     runs = [Run(kind, size, device, batches) for kind in IMPLS]
-    per_impl = args.warmup + args.steps + args.profile_steps
-    bar = progress(total=len(runs) * per_impl, desc=f"{size}", unit="step", disable=args.quiet)
-    for _ in range(args.warmup):
-        for run in runs:
-            run.step()
-            bar.update(1)
+    labels = [run_label(run) for run in runs]
+
+    def bars(phase, total):
+        """One bar per implementation, for the phase whose steps alternate between them."""
+        return progress_rows([f"{label}: {phase}" for label in labels], total=total,
+                             unit="step", disable=args.quiet or total == 0)
+
+    with bars("warm-up", args.warmup) as rows:
+        for _ in range(args.warmup):
+            for run, bar in zip(runs, rows):
+                run.step()
+                bar.update(1)
     for run in runs:
         run.annotate()
     results = {}
@@ -261,21 +267,21 @@ def run_size(size, device, args, batches, trace_dir):
         # syncs; interleaved, so each run's wall time is the sum of its own steps
         for run in runs:
             run.opt_times = []
-        for _ in range(args.steps):
-            for run in runs:
-                _sync(device)
-                t0 = time.perf_counter()
-                run.step()
-                _sync(device)
-                run.wall += time.perf_counter() - t0
-                bar.update(1)
+        with bars("timed steps", args.steps) as rows:
+            for _ in range(args.steps):
+                for run, bar in zip(runs, rows):
+                    _sync(device)
+                    t0 = time.perf_counter()
+                    run.step()
+                    _sync(device)
+                    run.wall += time.perf_counter() - t0
+                    bar.update(1)
         for run in runs:
             opt_times, run.opt_times = run.opt_times, None
-            results[run.kind] = profile_run(run, args, trace_dir, bar)
+            results[run.kind] = profile_run(run, args, trace_dir)
             results[run.kind].update(
                 steps_per_s=args.steps / run.wall, opt_ms=statistics.median(opt_times) * 1e3,
                 opt_ms_p90=sorted(opt_times)[int(0.9 * (len(opt_times) - 1))] * 1e3)
-    bar.close()
     del runs
     gc.collect()
     if device.type == "cuda":
@@ -283,7 +289,36 @@ def run_size(size, device, args, batches, trace_dir):
     return results
 
 
-def profile_run(run, args, trace_dir, bar):
+@contextlib.contextmanager
+def stderr_held_back():
+    """What C++ writes to stderr meanwhile (the profiler's start and stop lines, its allocator
+    warnings) goes to a file and is printed when the block ends; yields a file on the real
+    stderr for a progress bar, which thus never shares a line with those logs."""
+    sys.stderr.flush()
+    real = os.dup(2)
+    bar_file = os.fdopen(os.dup(real), "w", buffering=1)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield bar_file
+        finally:
+            sys.stderr.flush()
+            os.dup2(real, 2)
+            os.close(real)
+            bar_file.close()
+            held.seek(0)
+            text = held.read().decode(errors="replace")
+            if text:
+                sys.stderr.write(text)
+                sys.stderr.flush()
+
+
+def run_label(run):
+    """What a progress bar names: the implementation, its mode and the model size."""
+    return f"{run.kind} AdamW-mode ({run.size})"
+
+
+def profile_run(run, args, trace_dir):
     device, model, opt, kind = run.device, run.model, run.opt, run.kind
     cuda = device.type == "cuda"
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -291,13 +326,16 @@ def profile_run(run, args, trace_dir, bar):
         _sync(device)
         torch.cuda.reset_peak_memory_stats(device)
         allocated_at_start = torch.cuda.memory_allocated(device)
-    with profile(activities=acts, profile_memory=True) as prof:
+    # the profiler's log lines are printed after the bar is closed
+    with stderr_held_back() as bar_file, profile(activities=acts, profile_memory=True) as prof:
         _sync(device)
         p0 = time.perf_counter()
-        for _ in range(args.profile_steps):
-            run.step()
-            bar.update(1)
-        _sync(device)
+        with progress(total=args.profile_steps, desc=f"{run_label(run)}: profiled steps",
+                      unit="step", disable=args.quiet, file=bar_file) as bar:
+            for _ in range(args.profile_steps):
+                run.step()
+                bar.update(1)
+            _sync(device)
         profiled_wall = time.perf_counter() - p0
     if cuda:
         cuda_transient = torch.cuda.max_memory_allocated(device) - allocated_at_start
@@ -538,22 +576,24 @@ def print_report(size_result, device):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser = make_parser("Profile training steps with the reference DeepNestedOptimizer and with "
+                         "titanmac_c, and print the profiling tables side by side.")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cpu or cuda (default: cuda when available, else cpu)")
     parser.add_argument("--sizes", default="titanmac",
                         help="comma list: titanmac (3.2M, bench_train's model), d<width>l<layers>")
-    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps first")
     parser.add_argument("--steps", type=int, default=20, help="timed steps (no profiler)")
     parser.add_argument("--profile-steps", type=int, default=10, help="steps under the profiler")
     parser.add_argument("--top", type=int, default=12, help="rows of the top-operation tables")
     parser.add_argument("--out", default=None,
-                        help="JSON summary (default benchmarks/out/profile_step_<device>.json); "
+                        help="JSON summary (default: benchmarks/out/profile_step_<device>.json); "
                              "Chrome traces go next to it")
     parser.add_argument("--compare", default=None,
-                        help="a bench_train.py JSON to print next to the timings (default "
+                        help="a bench_train.py JSON to print next to the timings (default: "
                              "benchmarks/out/bench_train_<device>.json when it exists)")
     parser.add_argument("--no-trace", action="store_true", help="write no Chrome traces")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
     if min(args.steps, args.profile_steps) < 1 or args.warmup < 0:
         raise SystemExit("profile_step: --steps and --profile-steps must be >= 1, --warmup >= 0")

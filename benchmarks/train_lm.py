@@ -51,9 +51,11 @@ from titanmac_c import DeepNestedOptimizer  # the one titanmac_c line (was: tita
 try:  # a progress bar when run from the titanmac_c repository; plain range() elsewhere
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from _progress import progress
+    from _cli import DefaultsFormatter
 except ImportError:  # pragma: no cover - the script copied on its own
     def progress(iterable, **_):
         return iterable
+    DefaultsFormatter = argparse.ArgumentDefaultsHelpFormatter
 
 
 # ------------------------------------------------------------------------------------- data
@@ -294,29 +296,35 @@ def build_optimizer(kind, model, args):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p = argparse.ArgumentParser(
+        description="Train a small character language model with titanmac_c.DeepNestedOptimizer.",
+        formatter_class=DefaultsFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="cpu or cuda (default: cuda when available, else cpu)")
     p.add_argument("--steps", type=int, default=200, help="optimizer steps")
     p.add_argument("--batch-size", type=int, default=16, help="sequences per micro-batch")
     p.add_argument("--accum", type=int, default=2, help="micro-batches per optimizer step")
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=64, help="characters per sequence")
+    p.add_argument("--d-model", type=int, default=128, help="model width")
+    p.add_argument("--layers", type=int, default=4, help="transformer blocks")
+    p.add_argument("--heads", type=int, default=4, help="attention heads")
     p.add_argument("--lr", type=float, default=3e-3, help="base_lr (the controller scales it)")
     p.add_argument("--warmup", type=int, default=20, help="lr warm-up steps")
-    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
     p.add_argument("--clip", type=float, default=1.0, help="max_grad_norm (keep > 0 with fp16)")
     p.add_argument("--meta-every", type=int, default=100, help="meta_update_freq")
     p.add_argument("--amp", choices=("none", "bf16", "fp16"), default="none",
                    help="autocast dtype; fp16 adds a GradScaler")
-    p.add_argument("--optimizer", choices=("titanmac_c", "reference"), default="titanmac_c")
+    p.add_argument("--optimizer", choices=("titanmac_c", "reference"), default="titanmac_c",
+                   help="titanmac_c's DeepNestedOptimizer or the pure-PyTorch reference")
     p.add_argument("--text", default=None, help="a text file to train on (default: generated)")
-    p.add_argument("--eval-batches", type=int, default=8)
-    p.add_argument("--log-every", type=int, default=50)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--save", default=None, help="write a checkpoint here at the end")
-    p.add_argument("--out", default=None, help="write a JSON summary here")
+    p.add_argument("--eval-batches", type=int, default=8,
+                   help="validation batches per evaluation")
+    p.add_argument("--log-every", type=int, default=50, help="steps between loss lines")
+    p.add_argument("--seed", type=int, default=0, help="seed of the model and the batches")
+    p.add_argument("--save", default=None,
+                   help="a checkpoint file to write at the end (default: none)")
+    p.add_argument("--out", default=None, help="a JSON summary file to write (default: none)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p.parse_args(argv)
 
@@ -349,7 +357,8 @@ def main(argv=None):
     val = data.val_batches(args.batch_size, args.eval_batches)
     initial_val = evaluate(model, val, autocast)
     losses = []
-    bar = progress(range(args.steps), desc="train_lm", unit="step", disable=args.quiet)
+    bar = progress(range(args.steps), desc=f"{args.optimizer} AdamW-mode: training steps",
+                   unit="step", disable=args.quiet)
     start = time.perf_counter()
     for step in bar:
         opt.base_lr = lr_at(step, args.steps, args.lr, args.warmup)  # the schedule hook

@@ -1,4 +1,5 @@
-"""Models, data and losses for the DeepNestedOptimizer tests and benchmarks.
+"""Models, data and losses for the DeepNestedOptimizer tests and benchmarks. "The spec",
+section numbers (§N) and bug ids (B1-B11, its section 14) refer to docs/deep_nested_optimizer.md.
 
 * make_titanmac_like_model(seed): a small TitanMAC-shaped language model (d_model 256, 4 layers,
   vocab 19) whose parameter names, shapes and counts reproduce the spec's example (§2.2):

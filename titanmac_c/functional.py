@@ -1,7 +1,7 @@
 """Functional drop-ins for torch.nn.utils (get_total_norm, clip_grad_norm_) and the group norm
 statistics, each a constant number of calls into the C core per device.
 
-Differences from torch (also listed in the README):
+Differences from torch (also listed in docs/adamw.md):
 - norm types: p > 0 and inf. torch also accepts 0, -inf and negative p; we raise ValueError.
 - complex tensors: the 2-norm only (that of their real view, which is theirs); other p raise
   ValueError, where torch takes |z| element by element.

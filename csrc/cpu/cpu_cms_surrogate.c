@@ -7,8 +7,8 @@
  *   Z  parallel: per block sum g^2 (no MLP)
  *   N  parallel: only for tensors with ||g|| > 1e-8, per block o = MLP(g, m) and the sums of o^2,
  *                o g, (o - prev)^2: the loss gradient needs the norms there. Elsewhere (every
- *                tensor under the reference's B1, whose g is zero) d loss / d o is known without
- *                them, and the loss's sums come from pass G.
+ *                tensor under the reference's B1, spec section 14, whose g is zero) d loss / d o
+ *                is known without them, and the loss's sums come from pass G.
  *   L  serial:   per tensor the loss (normed tensors) and d loss / d o
  *                = co o + cg g + ct (o - prev)
  *   G  parallel: per block the forward (again, for normed tensors: cheaper than keeping the

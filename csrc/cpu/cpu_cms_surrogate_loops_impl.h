@@ -101,7 +101,7 @@ sur_tile_forward(const tm_cms_direct_net *net, sur_tile *t, int cnt, int derivs)
 }
 
 /* The forward with and without derivatives as functions of their own: inlined into the large
- * gradient loop, GCC no longer vectorizes the layer's element loop (it did not if-convert it). */
+ * gradient loop, the layer's element loop is not vectorized by GCC (it is not if-converted). */
 #if defined(__GNUC__)
 #define SUR_NOINLINE static __attribute__((noinline))
 #else

@@ -3,8 +3,8 @@
  *   coef[0] = min(1, max_norm / (total_norm[0] + 1e-6))   tm_clip_coef_elem, torch's order
  *   x *= scale[0] for every tensor x of a list             clip_grads_with_norm_'s foreach mul
  * Both read their scalar from device memory, so the host never waits and both can be captured in
- * a CUDA graph (llm.c computes its clip factor on the device the same way; torch #139662 split
- * get_total_norm from clip_grads_with_norm_ for the same reason).
+ * a CUDA graph (llm.c computes its clip factor on the device the same way; torch itself offers
+ * get_total_norm and clip_grads_with_norm_ as separate calls for the same reason).
  *
  * total_norm, coef and scale may each be float32 or float64 (real_ref carries which).
  *

@@ -1,8 +1,9 @@
 /*
  * titanmac_cms.h -- the CMS ops of the C API (titanmac.h includes this file): the
  * DeepNestedOptimizer's CMS update (Phase 2, tm_cms_step) and its DirectUpdateMLP's surrogate
- * training gradient (Phase 1, tm_cms_surrogate), spec deep_nested_optimizer.md 7. The contract of
- * titanmac.h holds for both.
+ * training gradient (Phase 1, tm_cms_surrogate), docs/deep_nested_optimizer.md section 7. The
+ * contract of titanmac.h holds for both. Section numbers (spec N) and bug ids (B1-B11, its section
+ * 14) refer to that document.
  */
 #ifndef TITANMAC_CMS_H
 #define TITANMAC_CMS_H

@@ -212,7 +212,7 @@ def test_deep_nested_optimizer_trains_a_complex_model_as_the_reference(device, d
     if hooks:
         for opt in (ref, ours):
             opt.base_optimizer.register_step_pre_hook(lambda *args: None)
-    rtol = 1e-5 if dtype == torch.complex64 else 1e-6  # the rates are float32 (README)
+    rtol = 1e-5 if dtype == torch.complex64 else 1e-6  # the rates are float32 (docs/adamw.md)
     for step in range(1, 16):
         _step(model_r, ref, step)
         _step(model_o, ours, step)

@@ -475,9 +475,9 @@ def test_a_keyboard_interrupt_after_the_first_steps_write_keeps_the_state(device
     """Ctrl-C during a first step (a large model's takes a while): Python raises the
     KeyboardInterrupt at the first instruction after the C call returns, here made to happen in
     the version bump that follows it. The parameters are stepped; their new state must be there
-    too (it used to be committed only after the calls), as torch's fused AdamW leaves both, so
-    the next step (or a checkpoint in a signal handler) goes on from step 1 instead of
-    restarting."""
+    too (the step commits new state before its C calls, not after them), as torch's fused
+    AdamW leaves both, so the next step (or a checkpoint in a signal handler) goes on from
+    step 1 instead of restarting."""
     params_a = make_params(SIZES[:3], device, misaligned=False)
     params_b = clone_params(params_a)
     ours = titanmac_c.AdamW(params_a, lr=1e-2, weight_decay=0.01)
@@ -549,8 +549,8 @@ class _DictCopyingWrapper:
 
 def test_a_clip_through_a_wrapper_that_copies_the_optimizers_dict_is_applied():
     """clip_grad_norm_ and zero_grad called on such a wrapper act on the wrapped optimizer's
-    pending coefficient (a user trial: under Lightning's manual optimization the folded clip
-    was dropped and the model trained unclipped), matching torch's clip + AdamW: clipped at
+    pending coefficient (such wrappers, e.g. Lightning's under manual optimization, would
+    otherwise drop the folded clip and train unclipped), matching torch's clip + AdamW: clipped at
     steps 0, 1 (the cached plan's) and 3, at step 2 clipped then zeroed through the wrapper and
     given new gradients (unclipped, as torch's clipped ones are gone), and across a load of a
     checkpoint."""

@@ -6,8 +6,8 @@ in place, state entries replaced or deleted. Ours caches a plan of the step betw
 each of these must reach the next step as it reaches torch's. Parameters and state are compared
 after every operation.
 
-The folded clip serves one step (README): a sequence steps at most once after a clip until new
-gradients come."""
+The folded clip serves one step (docs/adamw.md): a sequence steps at most once after a clip until
+new gradients come."""
 
 import io
 import random

@@ -172,7 +172,8 @@ def test_classes_made_at_run_time_are_not_kept_alive():
 class _SwapsStorage:
     """A number whose float() moves `tensor` to new memory (`set_`), as Python code run while a
     call parses its arguments could: the call must read every number before it imports a
-    tensor, or it steps the old memory, freed by then (the process crashed so before)."""
+    tensor, or it steps the old memory, freed by then (a use after free that can crash the
+    process)."""
 
     def __init__(self, value, tensor):
         self.value, self.tensor = value, tensor

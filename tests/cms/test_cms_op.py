@@ -1,8 +1,8 @@
 """_C.cms_step (tm_cms_step) against the reference's CMS Phase 2: ReferenceDeepNestedOptimizer.
-_cms_update_param (spec deep_nested_optimizer.md 7.2) called for every tensor, from the same
+_cms_update_param (docs/deep_nested_optimizer.md section 7.2) called for every tensor, from the same
 state, step after step, for both momentum networks (after each step's comparison our params and
 momenta are reset to the reference's, see Ours.sync). Its argument checks are in
-test_cms_op_errors.py.
+test_cms_op_errors.py. Bug ids (B4, B7) are those of that document's section 14.
 
 Tolerances (the element math is the reference's, operation by operation; what differs is torch's
 own exp/log/SiLU/matmul rounding inside the MLPs and its float32 norms and stats, which we sum in

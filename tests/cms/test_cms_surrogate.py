@@ -2,11 +2,12 @@
 and _surrogate.surrogate_gradient (its algorithm in torch ops, CUDA's; run here on every device,
 also with chunks small enough to split tensors), against autograd of the reference in float64:
 the gradient of mean_i compute_surrogate_loss(MLP(g_i, m_i), g_i, prev_i) over the
-DirectUpdateMLP's weights (spec deep_nested_optimizer.md 7.2, 7.4; the
+DirectUpdateMLP's weights (docs/deep_nested_optimizer.md sections 7.2, 7.4; the
 reference's preprocess_gradient, net and loss, evaluated in double), element by element, over
 several Phase 1 steps (each step's outputs are the next step's prev, and the MLP takes an Adam
 step between them); the temporal term's gradient on its own (the difference of two calls, with
-and without prev); plus the C op's argument checks.
+and without prev); plus the C op's argument checks. Section numbers (spec N) and bug ids (B1,
+its section 14) refer to that document.
 
 Tolerance: every entry of a gradient tensor within GRAD_RTOL of that tensor's largest entry
 (measured <= 9e-7 for the C op, which sums the weights' gradients in double, 5.8e-7 for the
@@ -321,10 +322,11 @@ def test_target_norm_exactly_at_the_threshold(impl):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_torch_ops_read_nothing_back(device):
-    """CUDA's Phase 1 adds no host sync (acceptance 2 of the CMS issue): on every device no op of
-    surrogate_gradient reads a value back or copies host data in (with the plan made before, as
-    the optimizer keeps it), with tensors split across chunks and both kinds of tensors (with and
-    without a previous output, g zero and not); on CUDA also under sync debug mode "error"."""
+    """CUDA's Phase 1 adds no host sync (a CMS step must not wait on the host): on every device
+    no op of surrogate_gradient reads a value back or copies host data in (with the plan made
+    before, as the optimizer keeps it), with tensors split across chunks and both kinds of
+    tensors (with and without a previous output, g zero and not); on CUDA also under sync debug
+    mode "error"."""
     gen = torch.Generator().manual_seed(4)
     mlp = _mlp(20, 2)
     targets, moms = _inputs("grad", gen)

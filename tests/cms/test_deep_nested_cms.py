@@ -245,8 +245,8 @@ def test_a_skipped_phase1_step(impl, fix, skip_by):
 @pytest.mark.parametrize("net", ["direct", "legacy"])
 @pytest.mark.parametrize("fix", [False, True], ids=["reference-bugs", "fixed"])
 def test_cuda_path_reads_nothing_back_checked_on_the_cpu(net, fix):
-    """Acceptance 2 of the CMS issue (no host sync in a step) watched without a GPU: CUDA's way
-    of stepping, run on CPU tensors, executes no ATen op that would read a value back or copy
+    """No host sync in a CMS step (a requirement of the CUDA path), watched without a GPU: CUDA's
+    way of stepping, run on CPU tensors, executes no ATen op that would read a value back or copy
     host data in on CUDA (tests/deep_nested/test_deep_nested_cuda.py checks the real thing under
     sync debug mode "error" on a GPU). Steps 6-12, step 10 with Phase 1 for the DirectUpdateMLP. The
     C core's calls are not ATen ops: this watches the Python around them. Reads of the MLP Adam's
@@ -546,10 +546,10 @@ def test_graph_replays_see_the_numbers_of_their_step(monkeypatch, mode):
     steps, with max_grad_norm changed at step 6, the weight decay at 8 (CMS mode:
     opt.weight_decay; AdamW mode: a group's), base_lr at 9, and in AdamW mode betas at 10 and
     eps at 12: parameters and state after every step as eager's, to the rounding of the
-    graph's learning rates (mu, then times base_lr's tensor). The replays went on with the
-    capture's values of all but base_lr (the graphs were captured again only for new
-    addresses); the legacy network's context [t / 1000, base_lr, ...] now reads t and base_lr
-    from a device tensor (it ran eagerly before, its t being the capture's)."""
+    graph's learning rates (mu, then times base_lr's tensor). A replay that kept the capture's
+    values of all but base_lr fails this (a change of such a number must capture again, not
+    only new addresses); the legacy network's context [t / 1000, base_lr, ...] reads t and
+    base_lr from a device tensor, so a replay does not reuse the capture's t."""
     from titanmac_c.deep_nested.graph import GraphState
 
     captures = []

@@ -121,8 +121,9 @@ def test_parity_mlp_explicit_mode(device):
 def test_parity_titanmac_like_model(device):
     """The TitanMAC-like model (3.2M parameters in 48 tensors), both groups, clipping active.
     On CUDA 300 steps, started again from the reference's parameters and moments every 50: in a
-    free run the ulps of torch's FMA-contracted AdamW against ours compound (H100, 2026-11-23:
-    exp_avg 3.2e-6 off at step 189, growing), and the tolerance would only chase them."""
+    free run the ulps of torch's FMA-contracted AdamW against ours compound (measured on an
+    H100, 2026-11-23: exp_avg 3.2e-6 off at step 189, growing), and the tolerance would only
+    chase them."""
     steps = 300 if device == "cuda" else 60
     _run("titanmac", device, steps, mode="simple", meta_update_freq=25, weight_decay=0.01,
          controller_update_freq=10, resync_every=50 if device == "cuda" else None)
@@ -140,7 +141,8 @@ def test_no_cms_buffers_in_adamw_mode():
     opt = titanmac_c.DeepNestedOptimizer(model)
     assert opt.state == {}
     ref = ReferenceDeepNestedOptimizer(make_mlp_10_32_5(seed=0))
-    assert len(ref.state) == 4  # the reference allocates them in every mode (B11)
+    # the reference allocates them in every mode (B11 in docs/deep_nested_optimizer.md section 14)
+    assert len(ref.state) == 4
     batch = synthetic_batches("mlp", 1, seed=0)[0]
     loss = loss_fn(model, batch)
     loss.backward()

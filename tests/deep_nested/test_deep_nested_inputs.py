@@ -5,6 +5,9 @@ CMS mode's complex or non-contiguous parameters and gradients, a state that no l
 refused with the parameter's name, before anything changes. The layouts AdamW mode takes:
 tests/deep_nested/test_deep_nested_layouts.py; checkpoints:
 tests/deep_nested/test_deep_nested_checkpoints.py.
+
+Section numbers (spec N, §N) and bug ids (B1-B11, its section 14) refer to
+docs/deep_nested_optimizer.md.
 """
 
 import copy
@@ -614,9 +617,9 @@ def test_direct_meta_update_after_step_sees_the_clipped_gradients(kw):
                 loss_fn(model, batch).backward()
             opt._update_meta_components(loss.item())
         for (name, cr), co in zip(ref.controller.named_parameters(), ours.controller.parameters()):
-            # Adam on near-zero meta-gradients amplifies last bits: 2e-5 here, 6.8e-5 on the
-            # H100 machine's CPU (torch 2.11); the stale stats of unclipped gradients move the
-            # weights by ~0.1
+            # Adam on near-zero meta-gradients amplifies last bits: 2e-5 here, 6.8e-5 measured
+            # on an H100 system's host CPU (torch 2.11); the stale stats of unclipped gradients
+            # move the weights by ~0.1
             torch.testing.assert_close(co, cr, rtol=1e-5, atol=1e-4,
                                        msg=lambda m: f"step {step} controller {name}: {m}")
         torch.testing.assert_close(float(ours.last_meta_loss), float(ref.last_meta_loss),

@@ -12,8 +12,8 @@ from cms_checks import cms_pair, compare_cms
 from conftest import DEVICES, expect_refused, reference_and_ours, sync_cms_from_reference
 from dno_models import make_mlp_10_32_5
 
-# float32 rates (base_lr * mu rounded, README) and float32 norms: a float64 run agrees with the
-# reference's to about float32's precision, where a float32 run agrees to its rounding
+# float32 rates (base_lr * mu rounded, docs/deep_nested.md) and float32 norms: a float64 run agrees
+# with the reference's to about float32's precision, where a float32 run agrees to its rounding
 F64_TOL = dict(rtol=1e-6, atol=1e-9)
 F32_TOL = dict(rtol=2e-5, atol=1e-7)
 
@@ -263,8 +263,8 @@ def test_a_parameter_dense_in_no_order_is_refused_at_construction():
 @pytest.mark.parametrize("device", DEVICES)
 def test_strided_gradients_are_clipped_in_memory_for_step_hooks_as_the_references(device):
     """With a step hook on base_optimizer the gradients are clipped in memory before the hooks
-    (README): strided slices (no permutation makes them dense) by torch's mul_, the rest by the
-    C core. The hook sees the reference's clipped gradients."""
+    (docs/adamw.md): strided slices (no permutation makes them dense) by torch's mul_, the rest by
+    the C core. The hook sees the reference's clipped gradients."""
     torch.manual_seed(0)
     (model_r, ref), (model_o, ours) = reference_and_ours(
         make_mlp_10_32_5(seed=0).to(device), max_grad_norm=0.05)

@@ -1,5 +1,6 @@
 """_C.dno_control (tm_dno_control) against a pure-torch control step written here from the spec
-(deep_nested_optimizer.md sections 3-6 and 8). Its argument checks are in
+(docs/deep_nested_optimizer.md sections 3-6 and 8; "spec N" below is a section of it). Its
+argument checks are in
 test_dno_control_errors.py, adamw_step's zero_grads_on_skip (the DNO's NaN guard) in
 tests/adamw/test_adamw_zero_grads.py.
 

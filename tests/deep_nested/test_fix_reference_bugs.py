@@ -1,9 +1,10 @@
 """DeepNestedOptimizer(fix_reference_bugs=True): the corrected behaviour of B1, B4, B6 and B7
-(spec deep_nested_optimizer.md section 14, README "fix_reference_bugs"). Each correction is
-checked against torch: B4's initial output against 0.1 * sign_g element by element, B6's
-multipliers against the controller run on log1p(norm) / 10 of torch's group norms, and the whole
-corrected optimizer step by step against CorrectedReference, the pure-PyTorch reference with the
-four corrections written in (B1, B6, B7 as README defines them; B4's start copied from ours).
+(bug ids of docs/deep_nested_optimizer.md section 14, docs/deep_nested.md "fix_reference_bugs";
+"spec N" below is a section of that document). Each correction is checked against torch: B4's
+initial output against 0.1 * sign_g element by element, B6's multipliers against the controller
+run on log1p(norm) / 10 of torch's group norms, and the whole corrected optimizer step by step
+against CorrectedReference, the pure-PyTorch reference with the four corrections written in (B1,
+B6, B7 as docs/deep_nested.md defines them; B4's start copied from ours).
 
 Tolerances are those of the uncorrected parity tests (tests/deep_nested/test_deep_nested.py for
 AdamW mode, tests/cms/test_deep_nested_cms.py for CMS mode): the corrections change what is
@@ -49,9 +50,9 @@ def _opt(dtype=torch.float32, **kw):
 
 
 class CorrectedReference(ReferenceDeepNestedOptimizer):
-    """The reference with the corrections as README's fix_reference_bugs section defines them,
-    each by overriding the one place that has the bug (B4 is an initial state: the pair's
-    momentum MLP starts from ours, whose initialisation test_b4 checks on its own):
+    """The reference with the corrections as docs/deep_nested.md's fix_reference_bugs section
+    defines them, each by overriding the one place that has the bug (B4 is an initial state: the
+    pair's momentum MLP starts from ours, whose initialisation test_b4 checks on its own):
     B7 level l fires every cms_frequencies[l] steps, its EMA decay 0.99 ** (1 / that);
     B6 the controller (per step and in meta-updates) reads log1p(norm) / 10;
     B1 Phase 1's g^_0 is the current clipped gradient / max(f_0, 1): A_0 holds it during the

@@ -109,8 +109,8 @@ def _run(seed):
             ours = titanmac_c.DeepNestedOptimizer(model_ours, **kw)
             ref.load_state_dict(ref_sd)
             ours.load_state_dict(ours_sd)
-            # what the reference's checkpoint lacks and ours holds (README), carried over by
-            # hand: the histories of the meta-updates and of Phase 1's outputs
+            # what the reference's checkpoint lacks and ours holds (docs/deep_nested.md), carried
+            # over by hand: the histories of the meta-updates and of Phase 1's outputs
             ref.meta_trainer = old_ref.meta_trainer
             ref._mlp_output_history = old_ref._mlp_output_history
         elif op == "meta":

@@ -1,7 +1,9 @@
 """The pure-PyTorch reference DeepNestedOptimizer (titanmac_c.testing.reference_dno) against the
-spec (reference/deep_nested_optimizer.md) itself: groups and depths, the controller, the AdamW step
+spec (docs/deep_nested_optimizer.md) itself: groups and depths, the controller, the AdamW step
 by hand, the NaN skips, controller_update_freq, the return dicts, the checkpoint layout and
-bitwise resume, CMS mode with both momentum networks, and the loss going down."""
+bitwise resume, CMS mode with both momentum networks, and the loss going down.
+
+Section numbers (§N) and bug ids (B1-B11, its section 14) refer to that document."""
 
 import copy
 import inspect

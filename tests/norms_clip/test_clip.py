@@ -285,9 +285,9 @@ def test_a_clipped_gradient_changed_in_place_steps_unclipped_with_a_warning(chan
     """Another backward accumulated onto the clipped gradients before the step (clipping each
     micro-batch of an accumulation), or an in-place edit of one (the weight's): torch's clip
     scaled the part before the change, clip(g1) + g2, which is no longer there to scale. Ours
-    steps the changed gradients unclipped (g1 + g2), and now says so (it did silently, the
-    README calling it torch's behaviour); a gradient left as it was (the bias, after the edit)
-    stays clipped, as torch's. Checked against torch's AdamW given those gradients."""
+    steps the changed gradients unclipped (g1 + g2) and warns, since that differs from torch's
+    result; a gradient left as it was (the bias, after the edit) stays clipped, as torch's.
+    Checked against torch's AdamW given those gradients."""
     torch.manual_seed(0)
     model_t = torch.nn.Linear(4, 1)
     model_o = copy.deepcopy(model_t)
@@ -412,7 +412,7 @@ def test_clip_method_returns_the_norm_in_the_gradients_dtype_like_torch(dtype):
 @pytest.mark.parametrize("norm_type", [1.0, 2.0, math.inf, 3.0])
 def test_empty_gradients_count_zero_towards_every_norm(device, norm_type):
     """Empty gradients (numel 0) among others: the total norm and the clip are torch's over the
-    non-empty ones (for the infinity norm torch raises whenever one is empty: README,
+    non-empty ones (for the infinity norm torch raises whenever one is empty: docs/adamw.md,
     "Differences from torch"), and gradients that are all empty have norm 0, scaled by
     nothing."""
     torch.manual_seed(4)

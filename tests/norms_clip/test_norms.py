@@ -210,7 +210,7 @@ def test_more_groups_than_one_combine_chunk(device, norm_type):
     last of 2 groups. Every group's grad and param norm and the totals against the reference,
     for group_of = i % 130, the same partition relabelled by a permutation (other groups meet
     in each walk), and a random assignment that leaves some groups empty (norm 0). A walk whose
-    accumulators kept the previous walk's sums or maxima was not caught with <= 64 groups."""
+    accumulators kept the previous walk's sums or maxima goes unseen with <= 64 groups."""
     gen = torch.Generator().manual_seed(11)
     choices = (1, 3, 17, 255, _CPU_BLOCK, _CPU_BLOCK + 1, 9000)
     sizes = [choices[int(k)] for k in torch.randint(0, len(choices), (200,), generator=gen)]

@@ -39,7 +39,7 @@ STATS = "titanmac/stats"            # group norms / clip norm statistics (one pa
 CONTROLLER = "titanmac/controller"  # EMA, NestedController, lr = base_lr * mu, skip flag
 CLIP = "titanmac/clip"              # global-norm clip coefficient (or torch's in-place clip)
 UPDATE = "titanmac/update"          # the AdamW update
-CMS = "titanmac/cms"                # CMS-mode update (spec 7)
+CMS = "titanmac/cms"                # CMS-mode update (docs/deep_nested_optimizer.md section 7)
 META = "titanmac/meta"              # simple-mode meta-update every meta_update_freq steps
 GRAPH = "titanmac/graph"            # CUDA-graph capture or replay of the whole step
 PARTS = (STATS, CONTROLLER, CLIP, UPDATE, CMS, META, GRAPH)

@@ -1,7 +1,9 @@
 """The DeepNestedOptimizer's constructor arguments and model, checked when the optimizer is built
 (and the loss each step is given): what the reference would take and then fail on (or train with
 torch ops, which the C core does not run) is refused here with the argument's or the parameter's
-name."""
+name.
+
+Bug ids (B7, its section 14) refer to docs/deep_nested_optimizer.md."""
 
 import math
 import numbers

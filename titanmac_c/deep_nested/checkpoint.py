@@ -1,9 +1,9 @@
-"""The DeepNestedOptimizer's checkpoints, in the reference's layout (spec Appendix A): saved with
-the rates and multipliers as the reference's hold them, and loaded from ours or the reference's
-only after every part was checked, so a checkpoint that does not fit raises and leaves the
-optimizer as it was (the reference loads part by part and stops half-loaded). Two keys the
-reference's lack, 'meta_trainer' and 'mlp_output_history', hold the histories that steer the next
-meta-update and Phase 1 step, so a resume is exact; the reference's load ignores them, and a
+"""The DeepNestedOptimizer's checkpoints, in the reference's layout (docs/deep_nested_optimizer.md,
+Appendix A): saved with the rates and multipliers as the reference's hold them, and loaded from ours
+or the reference's only after every part was checked, so a checkpoint that does not fit raises and
+leaves the optimizer as it was (the reference loads part by part and stops half-loaded). Two keys
+the reference's lack, 'meta_trainer' and 'mlp_output_history', hold the histories that steer the
+next meta-update and Phase 1 step, so a resume is exact; the reference's load ignores them, and a
 checkpoint without them leaves ours' histories as they are, as the reference's load does."""
 
 import copy

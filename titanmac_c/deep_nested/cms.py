@@ -3,6 +3,9 @@ DirectUpdateMLP: its gradient from the C core on the CPU, from the same algorith
 without host syncs, on CUDA), Phase 2, the parameter update, as one call of the C core
 (tm_cms_step), and the momentum network's meta proxy loss. The state it keeps and its
 checkpoint layout: cms_state.py.
+
+Section numbers (spec N, §N) and bug ids (B1-B11, its section 14) refer to
+docs/deep_nested_optimizer.md.
 """
 
 import math

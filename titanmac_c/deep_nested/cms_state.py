@@ -10,6 +10,9 @@ the C core pairs elements by their place in memory, so no step copies them. Chec
 carry every key of the reference's layout; the buffers not kept are saved as zeros (stride-0
 tensors, one element of storage each), which the reference loads and, never reading them,
 continues as if they held its values.
+
+Section numbers (spec N, §N) and bug ids (B1-B11, its section 14) refer to
+docs/deep_nested_optimizer.md.
 """
 
 import torch
@@ -219,7 +222,7 @@ class CMSLevelView:
         kept = self._cms.buffers[name][self._level]
         if not kept:
             raise ValueError(f"{name} of CMS level {self._level}: not kept by titanmac_c (the "
-                             "update never reads it; see the README's CMS memory note)")
+                             "update never reads it; see docs/deep_nested.md, CMS mode)")
         buf = kept[self._i]
         if not torch.is_tensor(value) or value.shape != buf.shape:
             got = tuple(value.shape) if torch.is_tensor(value) else type(value).__name__

@@ -2,6 +2,9 @@
 and 4): per-group gradient and parameter norms in one tm_norms call, then tm_dno_control (loss
 EMA, NestedController, learning rates, clip coefficient, skip predicate) on the device. Every
 tensor list comes from AdamW's cached plan in the steady state.
+
+Section numbers (spec N, §N) and bug ids (B1-B11, its section 14) refer to
+docs/deep_nested_optimizer.md.
 """
 
 import torch

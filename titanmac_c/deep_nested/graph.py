@@ -1,15 +1,18 @@
-"""CUDA-graph mode of the DeepNestedOptimizer (spec section 11, done so that every step applies
-its update): after `cuda_graph_warmup_steps` eager steps, the C calls of a step are captured in a
-CUDA graph, one per kind of step (controller or not; in CMS mode, which levels fire), and
-replayed; in CMS mode a step that trains the DirectUpdateMLP (Phase 1, eager torch ops) runs it
-between two graphs, the statistics and control before it and Phase 2 after. The gradients live
-in static buffers (zero_grad zeroes them in place; a gradient that was reallocated anyway is
-copied in), base_lr (and for the legacy network's context t) reaches the graph through a device
-tensor, a reload re-captures (B8, B9, B10 fixed), and so does a change of a number the calls
-take from the host (max_grad_norm, the weight decay, AdamW's group hyperparameters). Tested on
-an H100 against eager, AdamW and CMS modes with the DirectUpdateMLP; the two-graph Phase 1 step,
-the legacy network's capture and the re-captures not yet: their logic is tested on the CPU with
-simulated replays (tests/cms/test_deep_nested_cms.py).
+"""CUDA-graph mode of the DeepNestedOptimizer (spec section 11, done so that every step applies its
+update): after `cuda_graph_warmup_steps` eager steps, the C calls of a step are captured in a CUDA
+graph, one per kind of step (controller or not; in CMS mode, which levels fire), and replayed; in
+CMS mode a step that trains the DirectUpdateMLP (Phase 1, eager torch ops) runs it between two
+graphs, the statistics and control before it and Phase 2 after. The gradients live in static buffers
+(zero_grad zeroes them in place; a gradient that was reallocated anyway is copied in), base_lr (and
+for the legacy network's context t) reaches the graph through a device tensor, a reload re-captures
+(so the reference's B8, B9, B10 do not occur), and so does a change of a number the calls take from
+the host (max_grad_norm, the weight decay, AdamW's group hyperparameters). Tested on an H100 against
+eager, AdamW and CMS modes with the DirectUpdateMLP; the two-graph Phase 1 step, the legacy
+network's capture and the re-captures are tested on the CPU only, with simulated replays
+(tests/cms/test_deep_nested_cms.py).
+
+Section numbers (spec N, §N) and bug ids (B1-B11, its section 14) refer to
+docs/deep_nested_optimizer.md.
 """
 
 import operator
@@ -187,7 +190,7 @@ class GraphState:
                     calls()
                 self.graphs[key] = graph
                 self.captured = True
-            graph.replay()  # capture records without running: replay at once (B8 fixed)
+            graph.replay()  # capture records without running: replay at once (avoids B8)
 
     def _captured_head(self, step):
         """The statistics and the control op: learning rates, clip coefficient, skip flag."""

@@ -1,8 +1,8 @@
-"""The DeepNestedOptimizer's meta-learning (spec 9): the controller's proxy-loss update every
-meta_update_freq steps (simple mode) or on meta_update() calls, and the mark that lets a direct
-_update_meta_components() after step() see the clipped gradients the reference's in-place clip
-would have left (ours scales them only as the update loads them). The momentum network's proxy
-loss is CMS mode's (cms.py)."""
+"""The DeepNestedOptimizer's meta-learning (docs/deep_nested_optimizer.md section 9): the
+controller's proxy-loss update every meta_update_freq steps (simple mode) or on meta_update()
+calls, and the mark that lets a direct _update_meta_components() after step() see the clipped
+gradients the reference's in-place clip would have left (ours scales them only as the update
+loads them). The momentum network's proxy loss is CMS mode's (cms.py)."""
 
 import torch
 

@@ -7,6 +7,9 @@ These are torch modules and plain functions with the reference's parameter names
 and initialisation, so a checkpoint of either optimizer loads into the other. The pure-PyTorch
 reference (titanmac_c.testing.reference_dno) imports them from here: both optimizers build the
 same modules from the same random draws.
+
+Section numbers (spec N, §N) and bug ids (B1-B11, its section 14) refer to
+docs/deep_nested_optimizer.md.
 """
 
 import math
@@ -61,24 +64,24 @@ def fused_clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinit
         parameters = [parameters]
     parameters = list(parameters)
     grads = [p.grad for p in parameters if p.grad is not None]
-    # §8.1: no gradients at all -> tensor(0.0) on the CPU
+    # §8 step 1: no gradients at all -> tensor(0.0) on the CPU
     if len(grads) == 0:
         return torch.tensor(0.0)
     max_norm = float(max_norm)
     norm_type = float(norm_type)
-    # §8.2
+    # §8 step 2
     if math.isinf(norm_type):
         per_tensor = [g.detach().abs().max() for g in grads]
         total_norm = per_tensor[0] if len(per_tensor) == 1 else torch.max(torch.stack(per_tensor))
     else:
         per_tensor = torch._foreach_norm([g.detach() for g in grads], norm_type)
         total_norm = torch.linalg.vector_norm(torch.stack(list(per_tensor)), norm_type)
-    # §8.3 (off everywhere in DNO)
+    # §8 step 3 (off everywhere in DNO)
     if error_if_nonfinite and bool(torch.logical_or(total_norm.isnan(), total_norm.isinf())):
         raise RuntimeError(
             f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, "
             "so it cannot be clipped.")
-    # §8.4, §8.5
+    # §8 steps 4, 5
     if inplace:
         clip_coef = max_norm / (total_norm + CLIP_EPS)
         clip_coef_clamped = torch.clamp(clip_coef, max=1.0)
@@ -86,7 +89,7 @@ def fused_clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinit
     else:
         torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type,
                                        error_if_nonfinite=error_if_nonfinite)
-    # §8.6
+    # §8 step 6
     return total_norm
 
 

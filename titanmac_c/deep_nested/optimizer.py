@@ -1,7 +1,8 @@
 """titanmac_c.DeepNestedOptimizer: TitanMAC's DeepNestedOptimizer (same constructor, same step()
 results, same checkpoints) with the step run by the C core.
 
-Specification: docs/deep_nested_optimizer.md (section numbers below refer to it); the
+Specification: docs/deep_nested_optimizer.md (section numbers below, "spec N", refer to it, bug
+ids B1-B11 to its section 14); the
 executable spec is titanmac_c.testing.reference_dno. One step in AdamW mode is three calls into C:
 
   1. tm_norms         one pass over the gradients (and, on controller steps, the parameters):
@@ -16,7 +17,7 @@ executable spec is titanmac_c.testing.reference_dno. One step in AdamW mode is t
 No value visits the host, except where the caller gives a Python float loss (checked on the host,
 as the reference does) and on meta-update steps (every meta_update_freq steps, host logic on a
 few numbers). With use_cuda_graph=True the three calls are captured once after the warm-up steps
-and replayed, with gradient buffers that keep their addresses (spec 11, fixing B8-B10).
+and replayed, with gradient buffers that keep their addresses (spec 11, avoiding B8-B10).
 
 The controller and momentum networks are the reference's torch modules (same parameter names,
 same state_dict keys); the C core evaluates the controller from the module's own weights. The
@@ -165,7 +166,7 @@ class DeepNestedOptimizer:
 
     def _build_objects(self, model):
         """Spec 2.1's objects, in the reference's order (its networks draw their initial weights
-        from torch's random generator in that order; CMS state only in CMS mode: B11 fixed).
+        from torch's random generator in that order; CMS state only in CMS mode, unlike B11).
         Returns the groups' parameter names."""
         groups, group_names = group_moe_params(model)
         check_grouped(groups, group_names, self.device, self.use_cms_updates)
@@ -495,7 +496,7 @@ class DeepNestedOptimizer:
         """Loads ours or the reference's layout. Every part is checked before the first write
         (CheckedCheckpoint), so a checkpoint that does not fit raises and leaves the optimizer
         as it was (the reference loads part by part and stops half-loaded). Values are copied
-        into the existing device buffers (B10 fixed: nothing lands on the CPU, a captured graph
+        into the existing device buffers (unlike B10, nothing lands on the CPU, a captured graph
         stays valid for the buffers, and is re-captured for the new AdamW state). cms_state is
         ignored in AdamW mode (the reference's holds only zeros there); a checkpoint without the
         histories leaves ours as they are, as the reference's load does."""

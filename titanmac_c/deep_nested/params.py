@@ -1,7 +1,9 @@
 """The tensors a DeepNestedOptimizer step hands the C core, and their names in its messages: the
 parameters as the base AdamW's two groups hold them (with the model's parameters outside the
 groups, whose gradients count in the clip norm, spec 8), and the current weights of the
-controller and the momentum network."""
+controller and the momentum network.
+
+Section numbers (spec N) refer to docs/deep_nested_optimizer.md."""
 
 import re
 

@@ -1,9 +1,9 @@
-"""Phase 1 of the CMS step on CUDA (spec deep_nested_optimizer.md 7.2, loss 7.4): the gradient of
+"""Phase 1 of the CMS step on CUDA (docs/deep_nested_optimizer.md 7.2, loss 7.4): the gradient of
 the DirectUpdateMLP's surrogate loss over the selected tensors, by the algorithm of the C core's
 CPU op (csrc/cpu/cpu_cms_surrogate.c) in torch ops, with that op's contract (_C.cms_surrogate).
 
 Autograd of the reference's loss ran ~3,100 ATen ops a Phase 1 over the TitanMAC-like model's 20
-tensors, plus the autograd engine's and nn.Module's host time: ~78 ms a Phase 1 on the H100's
+tensors, plus the autograd engine's and nn.Module's host time: ~78 ms a Phase 1 on an H100 system's
 host, as much as the reference's own. Here the loss's gradient with respect to the MLP's output
 o is written out and the MLP's backward by hand, over chunks holding many tensors' elements:
 

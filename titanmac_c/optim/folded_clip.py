@@ -69,7 +69,7 @@ class PendingClip:
         """GradScaler hands step() a loss scale only when unscale_ has not run, so a coefficient
         pending then was measured on gradients still multiplied by it: it clips them to max_norm
         times the scale, as torch's clip_grad_norm_ called there would. Frameworks unscale before
-        their clip; a folded clip put in place of theirs (README) must too."""
+        their clip; a folded clip put in place of theirs (docs/frameworks.md) must too."""
         if self.coef and amp.loss_scale is not None:
             warnings.warn("AdamW.clip_grad_norm_ measured gradients still multiplied by the "
                           "GradScaler's loss scale (no scaler.unscale_(optimizer) before it), so "

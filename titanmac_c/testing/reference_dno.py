@@ -1,10 +1,11 @@
 """Pure-PyTorch reference of TitanMAC's DeepNestedOptimizer: the executable specification.
 
-Written from the clean-room specification ``reference/deep_nested_optimizer.md`` (baseline: master
+Written from the clean-room specification ``docs/deep_nested_optimizer.md`` (baseline: master
 HEAD 1934775, i.e. ``deep_nested_optimizer.py`` / ``nested_controller.py`` as of e83314a and
-``param_groups.py`` as of 4819455). Section numbers in the comments ("§5 step 7") refer to that
-document. This module stands in for the upstream optimizer: ``titanmac_c.DeepNestedOptimizer`` is
-tested for parity against it, step by step, in both modes.
+``param_groups.py`` as of 4819455). Section numbers in the comments ("§5 step 7") and bug ids
+(B1-B11, listed in its §14) refer to that document. This module stands in for the upstream
+optimizer: ``titanmac_c.DeepNestedOptimizer`` is tested for parity against it, step by step, in
+both modes.
 
 It is deliberately FAITHFUL, oddities included:
 

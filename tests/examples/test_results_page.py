@@ -1,0 +1,121 @@
+"""benchmarks/RESULTS.md is generated from benchmarks/results/*.json by benchmarks/make_results.py:
+
+* the committed page is what the script writes from the committed data (`--check` exits 0), so a
+  figure cannot change on the page without its data file, nor the data without the page;
+* every result file carries its metadata (date, commit, hardware, torch, command, ...) and every
+  table its columns and rows, each row's values under the table's columns;
+* `--check` notices a page that differs from its data (exit 1);
+* the summary and every table have a stable anchor on the page, one each.
+
+Pure Python, a fraction of a second; no torch needed.
+"""
+
+import glob
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+BENCH = os.path.join(ROOT, "benchmarks")
+SCRIPT = os.path.join(BENCH, "make_results.py")
+RESULTS = sorted(glob.glob(os.path.join(BENCH, "results", "*.json")))
+
+FILE_FIELDS = ("id", "section", "device", "machine", "hardware", "date", "commit", "torch",
+               "software", "command")
+
+
+def _make_results():
+    spec = importlib.util.spec_from_file_location("_bench_make_results", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_committed_page_matches_its_data():
+    run = subprocess.run([sys.executable, SCRIPT, "--check"], capture_output=True, text=True)
+    assert run.returncode == 0, (
+        f"benchmarks/RESULTS.md does not match benchmarks/results/: run "
+        f"`python benchmarks/make_results.py` and commit the page\n{run.stdout}{run.stderr}")
+
+
+def test_there_are_result_files():
+    assert len(RESULTS) >= 10
+
+
+@pytest.mark.parametrize("path", RESULTS, ids=[os.path.basename(p) for p in RESULTS])
+def test_result_file_has_its_metadata(path):
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    assert data.get("schema") == 1
+    for field in FILE_FIELDS:
+        value = data.get(field)
+        if field == "command" and isinstance(value, list):
+            assert value and all(isinstance(c, str) and c for c in value), field
+        else:
+            assert isinstance(value, str) and value.strip(), f"{field} missing or empty"
+    assert data["id"] == os.path.splitext(os.path.basename(path))[0]
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", data["date"])
+    assert data["date"] in data["id"], "the file name carries the date of the run"
+    assert data["device"] in ("cpu", "cuda")
+    assert data["commit"] == "unknown" or re.fullmatch(r"[0-9a-f]{7,40}", data["commit"])
+    assert data["tables"], "a result file holds at least one table"
+    for table in data["tables"]:
+        assert re.fullmatch(r"[a-z0-9-]+", table["id"]), table["id"]
+        assert table["title"].strip()
+        keys = [c["key"] for c in table["columns"]]
+        assert len(set(keys)) == len(keys), f"{table['id']}: a column key twice"
+        for col in table["columns"]:
+            assert col["label"].strip()
+            if isinstance(col.get("decimals"), list):
+                assert len(col["decimals"]) == len(table["rows"])
+        assert table["rows"], f"{table['id']}: no rows"
+        for row in table["rows"]:
+            assert set(row) <= set(keys), f"{table['id']}: values outside its columns: {row}"
+            assert any(isinstance(v, (int, float)) or (isinstance(v, str) and re.search(r"\d", v))
+                       for v in row.values()), f"{table['id']}: a row without a figure: {row}"
+
+
+def test_every_table_and_the_summary_have_one_anchor():
+    with open(os.path.join(BENCH, "RESULTS.md"), encoding="utf-8") as f:
+        page = f.read()
+    anchors = re.findall(r'<a id="([a-z0-9-]+)"></a>', page)
+    assert len(anchors) == len(set(anchors))
+    assert "summary" in anchors
+    for path in RESULTS:
+        with open(path, encoding="utf-8") as f:
+            for table in json.load(f)["tables"]:
+                assert table["id"] in anchors
+    for link in set(re.findall(r"\]\(#([a-z0-9-]+)\)", page)):
+        assert link in anchors, f"link to a missing anchor #{link}"
+
+
+def test_check_notices_a_page_that_differs(tmp_path):
+    page = tmp_path / "RESULTS.md"
+    shutil.copy(os.path.join(BENCH, "RESULTS.md"), page)
+    mr = _make_results()
+    argv = ["--results", os.path.join(BENCH, "results"), "--plots", os.path.join(BENCH, "plots"),
+            "--out", str(page)]
+    assert mr.main(argv + ["--check"]) == 0
+    page.write_text(page.read_text(encoding="utf-8").replace("| titanmac_c |", "| titanmac |", 1),
+                    encoding="utf-8")
+    assert mr.main(argv + ["--check"]) == 1
+    assert mr.main(argv) == 0  # rewrites it
+    assert mr.main(argv + ["--check"]) == 0
+
+
+def test_missing_metadata_is_refused(tmp_path):
+    src = RESULTS[0]
+    with open(src, encoding="utf-8") as f:
+        data = json.load(f)
+    del data["torch"]
+    (tmp_path / os.path.basename(src)).write_text(json.dumps(data), encoding="utf-8")
+    mr = _make_results()
+    with pytest.raises(mr.ResultError, match="torch"):
+        mr.load(str(tmp_path))
