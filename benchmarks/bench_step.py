@@ -318,7 +318,9 @@ def main(argv=None):
                 titanmac_c=titanmac_c.__version__,
                 cpu_isa=titanmac_c.cpu_isa(), threads=torch.get_num_threads(),
                 machine=platform.processor() or platform.machine(),
-                date=time.strftime("%Y-%m-%d"))
+                date=time.strftime("%Y-%m-%d"),
+                command=" ".join(["python benchmarks/bench_step.py"] + list(
+                    sys.argv[1:] if argv is None else argv)))
     if device.type == "cuda":
         meta["gpu"] = torch.cuda.get_device_name(device)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

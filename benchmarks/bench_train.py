@@ -180,7 +180,9 @@ def main(argv=None):
     meta = dict(device=str(device), torch=torch.__version__, titanmac_c=titanmac_c.__version__,
                 threads=torch.get_num_threads(), steps=args.steps, mode=args.mode, net=args.net,
                 options=OPT_KW,
-                date=time.strftime("%Y-%m-%d"))
+                date=time.strftime("%Y-%m-%d"),
+                command=" ".join(["python benchmarks/bench_train.py"] + list(
+                    sys.argv[1:] if argv is None else argv)))
     if device.type == "cuda":
         meta["gpu"] = torch.cuda.get_device_name(device)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The GPU checks in one command: build the CUDA backend offline, run the whole test suite on
 # CUDA, run compute-sanitizer (memcheck and racecheck) over the CUDA tests, run the GPU
-# benchmarks, and print one summary table. The benchmarks' JSON and logs land in OUT; a result
-# recorded from them goes in benchmarks/results/ (benchmarks/make_results.py describes the format),
-# with the date, device, torch version and command as its metadata.
+# benchmarks, and print one summary table. The benchmarks' JSON and logs land in OUT;
+# `python benchmarks/add_result.py OUT/bench_step_cuda.json OUT/bench_train_cuda.json ...
+# --machine H100` records them in benchmarks/results/ (with the date, device, torch version,
+# commit and command as their metadata) and regenerates benchmarks/RESULTS.md.
 #
 # Usage: bash benchmarks/gpu_check.sh            (from the repository root; needs torch + nvcc)
 #        Under a time limit, and where only a few files can be kept: BUDGET a little under the

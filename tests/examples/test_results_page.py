@@ -119,3 +119,45 @@ def test_missing_metadata_is_refused(tmp_path):
     mr = _make_results()
     with pytest.raises(mr.ResultError, match="torch"):
         mr.load(str(tmp_path))
+
+
+def test_a_benchmark_scripts_output_becomes_a_result_file_and_a_table(tmp_path):
+    """add_result.py turns what bench_step.py and bench_train.py write (--out JSON) into result
+    files with their metadata, and the regenerated page shows their tables with the numbers."""
+    results = tmp_path / "results"
+    results.mkdir()
+    meta = dict(device="cuda:0", dtype="float32", torch="2.13.0", titanmac_c="0.2.0", threads=16,
+                gpu="NVIDIA H200", date="2026-12-03",
+                command="python benchmarks/bench_step.py --device cuda --sizes titanmac")
+    rows = [dict(shape="titanmac", params=3_237_888, tensors=48, op="adamw", impl=impl,
+                 median_ms=ms, ratio_vs_torch_fused=ms / 0.546, gbs=gbs, frac_of_copy=gbs / 3000,
+                 copy_gbs=3000.0, launches=n)
+            for impl, ms, gbs, n in (("titanmac_c", 0.367, 247.0, 1), ("torch_fused", 0.546, 166.0, 4))]
+    step = tmp_path / "bench_step_cuda.json"
+    step.write_text(json.dumps(dict(meta=meta, rows=rows)))
+    train_meta = dict(device="cpu", torch="2.13.0", titanmac_c="0.2.0", threads=2, mode="cms",
+                      net="legacy", date="2026-12-03",
+                      command="python benchmarks/bench_train.py --mode cms --net legacy")
+    train_rows = [dict(impl="reference", steps_per_s=3.5, opt_ms=35.4, opt_mean_ms=39.8,
+                       launches=None, syncs=None, state_mb=148.2, peak_mb=574.0, final_loss=2.8),
+                  dict(impl="titanmac_c", steps_per_s=9.9, opt_ms=10.0, opt_mean_ms=10.7,
+                       launches=None, syncs=None, state_mb=86.5, peak_mb=444.0, final_loss=2.8)]
+    train = tmp_path / "bench_train_cpu.json"
+    train.write_text(json.dumps(dict(meta=train_meta, rows=train_rows)))
+    page = tmp_path / "RESULTS.md"
+    done = subprocess.run([sys.executable, os.path.join(BENCH, "add_result.py"), str(step), str(train),
+                           "--machine", "H200 test", "--results", str(results),
+                           "--page", str(page)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    written = json.loads((results / "h200-test-2026-12-03-step.json").read_text())
+    for field in ("schema", "id", "section", "device", "machine", "hardware", "date", "commit",
+                  "torch", "software", "command", "tables"):
+        assert field in written
+    assert written["section"] == "gpu-adamw-step" and written["hardware"] == "NVIDIA H200"
+    assert written["command"] == meta["command"] and written["commit"] != ""
+    assert (results / "h200-test-2026-12-03-train-cms-legacy.json").exists()
+    text = page.read_text()
+    assert "#h200-test-2026-12-03-step-float32" in text or \
+        'id="h200-test-2026-12-03-step-float32"' in text
+    assert "| titanmac | 48 | adamw | titanmac_c | 0.367 | 0.67 | 247.0 | 0.08 | 1 |" in text
+    assert "| titanmac_c | 9.90 | 10.000 | 10.700 | - | - | 86.5 | 444.0 | 2.80000 |" in text
