@@ -128,12 +128,12 @@ def main(argv=None):
                          "benchmarks/results/ and regenerate benchmarks/RESULTS.md.")
     parser.add_argument("output", nargs="+", help="the JSON files the scripts wrote")
     parser.add_argument("--machine", required=True,
-                        help="a short name of the machine, e.g. H100 or 2-core CPU (required)")
+                        help="a short name of the machine, e.g. H100 or 2-core CPU (required, no default)")
     parser.add_argument("--hardware", default=None,
                         help="a description of the hardware (default: what the script recorded)")
     parser.add_argument("--results", default=make_results.RESULTS_DIR,
-                        help="folder of result files")
-    parser.add_argument("--page", default=make_results.PAGE, help="the page to regenerate")
+                        help="folder of result files (default: benchmarks/results)")
+    parser.add_argument("--page", default=make_results.PAGE, help="the page to regenerate (default: benchmarks/RESULTS.md)")
     args = parser.parse_args(argv)
     commit = current_commit()
     for path in args.output:
