@@ -133,6 +133,8 @@ def test_load_state_dict_step_that_is_no_number(step):
 
 @pytest.mark.parametrize("key, value, match", [
     ("step", -1.0, r"step = -1.0, must be >= 0"),  # the bias correction would divide by zero
+    ("step", float("inf"), r"step = inf, must be >= 0 and finite"),
+    ("step", float("nan"), r"step = nan, must be >= 0 and finite"),
     ("exp_avg", None, r"exp_avg is a NoneType, not a tensor"),
     ("exp_avg_sq", torch.zeros(7, device="meta"), r"exp_avg_sq is on the meta device"),
 ])

@@ -213,6 +213,9 @@ def _bad_checkpoints(sd):
                                           .update(params=[0]))),
            ("meta_optimizer without state", edit(lambda b: b["meta_optimizer"].pop("state"))),
            ("lr_multipliers a string", edit(lambda b: b.update(lr_multipliers="abc"))),
+           ("lr_multipliers NaN",
+            edit(lambda b: b.update(lr_multipliers=torch.tensor([1.0, float("nan")])))),
+           ("ema_loss inf", edit(lambda b: b.update(ema_loss=torch.tensor([float("inf"), 0.0])))),
            ("meta_trainer a list", edit(lambda b: b.update(meta_trainer=[1.0]))),
            ("meta_trainer lists of two lengths", edit(lambda b: b.update(meta_trainer=dict(
                loss_history=[1.0], multiplier_history=[], momentum_history=[])))),
@@ -230,7 +233,9 @@ def _bad_checkpoints(sd):
         out += [("AdamW exp_avg shape", edit(lambda b: b["base_optimizer"]["state"][0].update(
                     exp_avg=torch.zeros(3)))),
                 ("AdamW step a string", edit(lambda b: b["base_optimizer"]["state"][2].update(
-                    step="12")))]
+                    step="12"))),
+                ("AdamW step inf", edit(lambda b: b["base_optimizer"]["state"][2].update(
+                    step=torch.tensor(float("inf")))))]
     if sd["cms_state"]:
         last = max(sd["cms_state"])
         first = min(sd["cms_state"])  # 0.weight, [32, 10]
@@ -383,3 +388,25 @@ def test_a_cms_state_keyed_by_strings_is_named_for_what_it_is(tmp_path):
                                          r"with torch\.save$"):
         fresh.load_state_dict(template)
     assert_same_state(fresh.state_dict(), before)
+
+
+@pytest.mark.parametrize("key, value", [
+    ("lr_multipliers", [1.0, float("nan")]), ("lr_multipliers", [float("inf"), 1.0]),
+    ("ema_loss", [0.5, float("nan")]), ("ema_loss", [float("-inf"), 0.5])])
+def test_non_finite_multipliers_or_loss_ema_are_refused_by_name(key, value):
+    """Neither the controller nor a step writes a non-finite multiplier or loss EMA; loaded from a
+    corrupted checkpoint, a NaN multiplier would turn every parameter NaN at the next step that
+    does not run the controller (controller_update_freq > 1). Refused, naming the key, nothing
+    loaded."""
+    model = make_mlp_10_32_5(seed=0)
+    opt = titanmac_c.DeepNestedOptimizer(model, controller_update_freq=3)
+    for step, batch in enumerate(synthetic_batches("mlp", 2, seed=4), start=1):
+        opt.zero_grad()
+        loss_fn(model, batch).backward()
+        opt.step(float(step))
+    bad = checkpoint_roundtrip(opt.state_dict())
+    bad[key] = torch.tensor(value)
+    before = checkpoint_roundtrip(opt.state_dict())
+    with pytest.raises(ValueError, match=rf"^state_dict\['{key}'\]: .*non-finite"):
+        opt.load_state_dict(bad)
+    assert_same_state(checkpoint_roundtrip(opt.state_dict()), before, key)

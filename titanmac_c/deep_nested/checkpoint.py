@@ -154,6 +154,12 @@ class CheckedCheckpoint:
             if value.shape != (N_GROUPS,):
                 raise ValueError(f"state_dict[{key!r}]: shape {tuple(value.shape)}, expected "
                                  f"({N_GROUPS},)")
+            # the controller never writes a non-finite multiplier nor the step a non-finite EMA
+            # (a non-finite loss is skipped before it): one loaded would turn every later rate
+            # NaN (multipliers kept between controller steps) or hold the EMA at NaN
+            if not bool(torch.isfinite(value).all()):
+                raise ValueError(f"state_dict[{key!r}]: {value.tolist()}: non-finite values "
+                                 "(a corrupted checkpoint)")
             values.append(value)
         self.multipliers, self.ema = values
         step = as_int(state_dict.get("global_step", 0))

@@ -4,6 +4,8 @@ parameter's dtype). Created at a parameter's first step; a checkpoint's entries 
 against their parameters before torch's load_state_dict takes them, so a corrupted one raises
 and leaves the optimizer as it was."""
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -134,5 +136,7 @@ def _check_entry(name, p, entry, saved_group):
                    if isinstance(step, Tensor) else f"step is a {type(step).__name__}, not a "
                    "number or a one-element tensor")
         raise ValueError(f"load_state_dict: {name}: {problem}")
-    if not float(step) >= 0.0:  # -1 divides by zero in the bias correction (NaN parameters)
-        raise ValueError(f"load_state_dict: {name}: step = {float(step)}, must be >= 0")
+    # -1 divides by zero in the bias correction (NaN parameters); NaN and inf poison it too
+    if not 0.0 <= float(step) < math.inf:
+        raise ValueError(f"load_state_dict: {name}: step = {float(step)}, must be >= 0 and "
+                         "finite")
