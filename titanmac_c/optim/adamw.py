@@ -18,6 +18,7 @@ from .state import CommittedNewState, check_loaded_state, init_state, normalize_
 from .amp import AmpScaling
 from .._internal.distributed import dtensor_type
 from .batching import Batch, Plan
+from .differentiable import check_fused_supported, differentiable_group_step, is_differentiable
 from .folded_clip import PendingClip, folded_clip
 from .._internal.grad_mark import GradientMark
 from .._internal.runtime import (
@@ -68,8 +69,14 @@ class AdamW(Optimizer):
         differentiable=False,
         fused=None,
     ):
-        if isinstance(lr, Tensor) and lr.numel() != 1:
-            raise ValueError("Tensor lr must be 1-element")
+        # torch's checks, in torch's order and words, before params is read (torch's
+        # test_errors builds the optimizer with params=None and expects these errors)
+        if isinstance(lr, Tensor):
+            if foreach and not capturable:
+                raise ValueError(
+                    "lr as a Tensor is not supported for capturable=False and foreach=True")
+            if lr.numel() != 1:
+                raise ValueError("Tensor lr must be 1-element")
         if not 0.0 <= lr:
             raise ValueError(f"Invalid learning rate: {lr}")
         if not 0.0 <= eps:
@@ -79,20 +86,26 @@ class AdamW(Optimizer):
         except TypeError:  # a number, None: torch's 'float' object is not subscriptable
             raise TypeError(f"betas = {betas!r}: expected a pair of numbers (beta1, beta2)") \
                 from None
-        if n_betas != 2:
+        for i in range(min(n_betas, 2)):
+            if not 0.0 <= betas[i] < 1.0:
+                raise ValueError(f"Invalid beta parameter at index {i}: {betas[i]}")
+        if n_betas != 2:  # torch raises at the first step (unpacking them)
             raise ValueError(f"betas: expected 2 values, got {n_betas}")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        if not (all(isinstance(b, float) for b in betas)
+                or all(isinstance(b, Tensor) for b in betas)):
+            raise ValueError("betas must be either both floats or both Tensors")
         for i, beta in enumerate(betas):
-            if not 0.0 <= scalar(f"betas[{i}]", beta) < 1.0:
-                raise ValueError(f"Invalid beta parameter at index {i}: {beta}")
+            if isinstance(beta, Tensor):
+                if foreach and not capturable:
+                    raise ValueError(f"betas[{i}] as a Tensor is not supported for "
+                                     "capturable=False and foreach=True")
+                if beta.numel() != 1:
+                    raise ValueError(f"Tensor betas[{i}] must be 1-element")
         # tensors stay tensors in the groups, as torch keeps them (0-d), and are read at every
         # step: a schedule may change them in place
         betas = tuple(b.squeeze() if isinstance(b, Tensor) and b.dim() else b for b in betas)
-        if not 0.0 <= weight_decay:
-            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-        if differentiable:
-            raise ValueError("titanmac_c.AdamW does not support differentiable=True")
-        if fused and foreach:  # as torch's AdamW refuses them
-            raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
         defaults = dict(
             lr=lr,
             betas=betas,
@@ -107,6 +120,11 @@ class AdamW(Optimizer):
             decoupled_weight_decay=True,
         )
         super().__init__(params, defaults)
+        if fused:
+            if differentiable:
+                raise RuntimeError("`fused` does not support `differentiable`")
+            if foreach:
+                raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
         self._init_caches()
 
     def _init_caches(self):
@@ -213,6 +231,13 @@ class AdamW(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         try:
+            differentiable = [g for g in self.param_groups if is_differentiable(g)]
+            if differentiable:
+                self._plan = None  # the fused step covers only the other groups
+                for group in differentiable:
+                    differentiable_group_step(self, group)
+                if len(differentiable) == len(self.param_groups):
+                    return loss
             amp = AmpScaling.of(self)
             if amp is not None:
                 self._pending_clip.warn_if_loss_scaled(amp)
@@ -340,6 +365,8 @@ class AdamW(Optimizer):
         lrs = [g["lr"] for g in self.param_groups]
         dtensor = dtensor_type()
         for gi, group in enumerate(self.param_groups):
+            if is_differentiable(group):
+                continue  # stepped by torch's ops (AdamW.step)
             for pi, p in enumerate(group["params"]):
                 grad = p.grad
                 if grad is None:
@@ -357,8 +384,12 @@ class AdamW(Optimizer):
                 if not state:
                     state = new_state.get(p)
                     if state is None:
+                        if group["fused"]:
+                            check_fused_supported(p)
                         state = init_state(p, group["amsgrad"])
                         new_state[p] = state
+                if p.device.type == "meta":
+                    continue  # no values to step: its state is made (meta), as torch's
                 key = (p.device, bool(group["amsgrad"]))
                 batch = batches.get(key)
                 if batch is None:
@@ -394,6 +425,7 @@ class AdamW(Optimizer):
                 raise ValueError(twice) from None
             group_names = [f"param_groups[{i}]" for i in range(len(groups))]
             reraise_with_names(exc, batch.names, group_names)
+        batch.store_params()
         if loss_scale is not None:
             # a gradient taken as a copy in its parameter's layout: the copy holds what the C
             # core stored (unscaled, or the scaled values of a skipped step). Inference mode:

@@ -45,6 +45,8 @@ class Batch:
         self.no_plan = False
         # (name, gradient, its copy in grads) of gradients laid out anew for this step
         self.grad_copies = []
+        # (parameter, its contiguous copy in params) of parameters dense in no order
+        self.param_copies = []
         # the learning rates' dtype: float64 (torch's Python float) when a parameter is float64
         self.lr_dtype = torch.float32
 
@@ -66,6 +68,7 @@ class Batch:
         else:
             if dtensor is not None:
                 refuse_plain_with_dtensor(name, p, grad, state, STATE_KEYS)
+            p = self.dense_param(name, p)
             # gradient and state in the parameter's layout: the state for good (the same
             # values), the gradient as a copy for this step (the Plan re-reads .grad)
             lay_out_state(state, p)
@@ -107,6 +110,29 @@ class Batch:
         through zero_grad() and the next backward (torch's optimizers keep none), and old state
         tensors alive after the state is replaced. refresh() reads them again."""
         self.grads = self.exp_avgs = self.exp_avg_sqs = self.max_exp_avg_sqs = self.steps = None
+
+    def dense_param(self, name, p):
+        """p, or for a parameter that no permutation makes dense (a strided slice of a larger
+        tensor) a contiguous copy, stepped in its place and copied back by store_params (the C
+        core takes dense memory; torch's ops step such a parameter in place). Its state is then
+        laid out as the copy (contiguous, as torch makes it for such a parameter), and the
+        batch gets no Plan."""
+        if p.layout != torch.strided or not is_strided_only(p):
+            return p
+        if is_expanded(p):  # as torch's in-place ops refuse it
+            raise RuntimeError(f"{name}: an expanded tensor (several elements on one memory "
+                               "location) cannot be stepped in place; clone() it")
+        copy = p.contiguous()
+        self.param_copies.append((p, copy))
+        self.no_plan = True
+        return copy
+
+    def store_params(self):
+        """The stepped copies of dense_param written into their parameters."""
+        if self.param_copies:
+            with torch.inference_mode():  # an inference-mode parameter takes the write too
+                for p, copy in self.param_copies:
+                    p.copy_(copy)
 
     def laid_out_grad(self, name, grad, p):
         """grad in p's layout (in_layout_of); a copy made for that is recorded, so that a step
