@@ -7,13 +7,14 @@ next meta-update and Phase 1 step, so a resume is exact; the reference's load ig
 checkpoint without them leaves ours' histories as they are, as the reference's load does."""
 
 import copy
+import math
 
 import torch
 
 from .cms_state import check_dense_float
 from .args import as_int
 from .nets import N_GROUPS
-from .._internal.runtime import is_one_number
+from .._internal.runtime import as_number, is_one_number
 
 _META_HISTORIES = ("loss_history", "multiplier_history", "momentum_history")
 _COMPILED_PREFIX = "_orig_mod."  # torch.compile's wrapper names the wrapped module so
@@ -167,6 +168,7 @@ class CheckedCheckpoint:
             raise ValueError(f"state_dict['global_step']: {state_dict.get('global_step')!r}, "
                              "expected a whole number >= 0")
         self.global_step = step
+        self.base_lrs = _checked_base_lrs(state_dict.get("base_lrs"))
         if cms_state is not None:
             cms_state.check_state_dict(state_dict.get("cms_state", {}))
         meta = state_dict.get("meta_trainer")
@@ -175,3 +177,18 @@ class CheckedCheckpoint:
         outputs = state_dict.get("mlp_output_history") if cms_state is not None else None
         self.outputs = (None if outputs is None
                         else _checked_outputs(outputs, cms_state.params, device))
+
+
+def _checked_base_lrs(values):
+    """The groups' base learning rates a checkpoint of ours holds (None in the reference's):
+    N_GROUPS finite numbers >= 0."""
+    if values is None:
+        return None
+    try:
+        lrs = [as_number("base_lrs", v) for v in values]
+    except (TypeError, ValueError):
+        lrs = None
+    if lrs is None or len(lrs) != N_GROUPS or not all(math.isfinite(v) and v >= 0 for v in lrs):
+        raise ValueError(f"state_dict['base_lrs']: {values!r}, expected {N_GROUPS} finite "
+                         "numbers >= 0 (the groups' base learning rates)")
+    return lrs

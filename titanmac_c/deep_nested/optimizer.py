@@ -95,14 +95,20 @@ from .nets import (
 from .params import GroupedParams, NetworkWeights
 
 
-class DeepNestedOptimizer:
+class DeepNestedOptimizer(torch.optim.Optimizer):
     """Drop-in for titans_core.opt.DeepNestedOptimizer (constructor of spec 2.1): AdamW over the
     model's two parameter groups (core, embed) whose learning rates a small controller network
     sets each step from gradient statistics, with global-norm clipping and a NaN guard; with
     use_cms_updates=True, multi-level continuum-memory momentum from a learned momentum network
     instead of AdamW. Call step(loss) after backward(); state_dict() saves the reference's
     layout. fix_reference_bugs=True turns on the corrected behaviour of spec 14's B1, B4, B6 and
-    B7 (off: the reference's results, bugs included)."""
+    B7 (off: the reference's results, bugs included).
+
+    A torch.optim.Optimizer (the reference's is not): its param_groups are base_optimizer's
+    (the same dicts), and each group's "lr" is the base learning rate, base_lr, that the
+    controller's multipliers scale, so torch's LR schedulers drive it, attached to this
+    optimizer or to base_optimizer. step(closure) calls the closure and steps with the loss it
+    returns, as torch's optimizers do."""
 
     def __init__(self, model, base_lr=1e-3, meta_lr=1e-4, k_unroll=5, cms_frequencies=None,
                  momentum_hidden_dim=64, momentum_num_layers=2, controller_hidden_dim=32,
@@ -118,8 +124,8 @@ class DeepNestedOptimizer:
         if cms_frequencies is None:
             cms_frequencies = [1] if low_memory else [1, 10, 100]
         self.model = model
-        self.base_lr = check_float("base_lr", base_lr)
-        check_rate_range(self.base_lr)
+        base_lr = check_float("base_lr", base_lr)
+        check_rate_range(base_lr)
         self.meta_lr = check_float("meta_lr", meta_lr)
         self.k_unroll = check_int("k_unroll", k_unroll, 0)  # read only by meta_update()
         # read only in CMS mode (in AdamW mode kept as given, as the reference keeps it)
@@ -161,16 +167,21 @@ class DeepNestedOptimizer:
         check_c_limits(self)
         self.device = model_device(model)
         self.n_groups = N_GROUPS
-        group_names = self._build_objects(model)
+        group_names = self._build_objects(model, base_lr)
         self._init_step_state(model, group_names, use_gradient_checkpointing, use_cuda_graph)
 
-    def _build_objects(self, model):
+    def _build_objects(self, model, base_lr):
         """Spec 2.1's objects, in the reference's order (its networks draw their initial weights
         from torch's random generator in that order; CMS state only in CMS mode, unlike B11).
         Returns the groups' parameter names."""
         groups, group_names = group_moe_params(model)
         check_grouped(groups, group_names, self.device, self.use_cms_updates)
-        self.base_optimizer = AdamW(groups, lr=self.base_lr, weight_decay=self.weight_decay)
+        self.base_optimizer = AdamW(groups, lr=base_lr, weight_decay=self.weight_decay)
+        # torch's Optimizer machinery (step hooks, the step wrapper LR schedulers patch, the
+        # groups schedulers walk) over base_optimizer's own groups (add_param_group)
+        torch.optim.Optimizer.__init__(self, self.base_optimizer.param_groups,
+                                       self.base_optimizer.defaults)
+        self._groups_fixed = True
         self._params = GroupedParams(model, self.base_optimizer, {
             p: name for group, names in zip(groups, group_names)
             for p, name in zip(group["params"], names)})
@@ -240,19 +251,68 @@ class DeepNestedOptimizer:
         return GraphState(self.device, self._params, self._weights, self._control,
                           self._cms_mode, self.cuda_graph_warmup_steps)
 
-    def _inputs(self, t, update=False):
+    def _inputs(self, t, update=False, base_lr=None):
         """This step's StepInputs: the attributes every part of it reads, taken once."""
-        return StepInputs(t, update, self.base_lr, self.max_grad_norm, self.weight_decay,
-                          self.controller, self.momentum_mlp, self.mlp_optimizer,
-                          self.mlp_train_freq)
+        return StepInputs(t, update, self.base_lr if base_lr is None else base_lr,
+                          self.max_grad_norm, self.weight_decay, self.controller,
+                          self.momentum_mlp, self.mlp_optimizer, self.mlp_train_freq)
+
+    # ------------------------------------------------------------------ torch's Optimizer
+
+    def add_param_group(self, param_group):
+        """Refused: the groups are the model's core and embed groups, made at construction
+        (torch's Optimizer.__init__ hands them here once, as base_optimizer's own)."""
+        if getattr(self, "_groups_fixed", False):
+            raise ValueError("DeepNestedOptimizer.add_param_group: its groups are the model's "
+                             "core and embed groups, fixed at construction (the controller "
+                             "sets one multiplier per group)")
+
+    def __getstate__(self):
+        """Everything (torch's Optimizer pickles only defaults, state and groups), less the step
+        wrapper an LR scheduler installs on the instance (a closure over the scheduler)."""
+        state = self.__dict__.copy()
+        state.pop("step", None)
+        return state
+
+    def __setstate__(self, state):
+        # a pickle of 0.2.0, whose base_lr was an attribute beside the groups
+        base_lr = state.pop("base_lr", None)
+        state.setdefault("defaults", state["base_optimizer"].defaults)
+        torch.optim.Optimizer.__setstate__(self, state)
+        if base_lr is not None:
+            self.base_lr = base_lr
 
     # ------------------------------------------------------------------ spec 12, small methods
 
     @property
+    def base_lr(self):
+        """The base learning rate: every param group's "lr" (group g trains at base_lr *
+        mu_g). Assigning it sets them all; a torch LR scheduler sets them itself."""
+        return self.base_optimizer.param_groups[0]["lr"]
+
+    @base_lr.setter
+    def base_lr(self, value):
+        for group in self.base_optimizer.param_groups:
+            group["lr"] = value
+
+    def _step_base_lr(self):
+        """The groups' common "lr", checked: one base learning rate scales the multipliers."""
+        groups = self.base_optimizer.param_groups
+        lr = groups[0]["lr"]
+        for gi, group in enumerate(groups[1:], 1):
+            if group["lr"] != lr:
+                raise ValueError(
+                    f"param_groups[{gi}]['lr'] = {group['lr']} differs from param_groups[0]"
+                    f"['lr'] = {lr}: the DeepNestedOptimizer has one base learning rate, which "
+                    "the controller's multipliers scale per group (give every group the same "
+                    "rate, e.g. one lambda for LambdaLR)")
+        return check_float("base_lr", lr)
+
+    @property
     def param_groups(self):
-        """AdamW's groups. Their "lr" stays base_lr: the rates used, base_lr * mu, live in a
-        device tensor (get_effective_lrs() reads them; state_dict() writes them into the saved
-        groups, as the reference's would hold them)."""
+        """AdamW's groups (the same dicts). Their "lr" is base_lr between steps: the rates used,
+        base_lr * mu, live in a device tensor (get_effective_lrs() reads them; state_dict()
+        writes them into the saved groups, as the reference's would hold them)."""
         return self.base_optimizer.param_groups
 
     @param_groups.setter
@@ -293,10 +353,25 @@ class DeepNestedOptimizer:
     # ------------------------------------------------------------------ spec 5, the step
 
     @eager_only
-    def step(self, loss_value=None):
+    def step(self, loss_value=None, closure=None):
         """One step. loss_value: a float or a 0-d tensor (no .item() needed: a non-finite tensor
-        loss is caught on the device). Returns the reference's dict."""
+        loss is caught on the device); returns the reference's dict. closure (also taken as the
+        first argument): torch's convention, called with grad enabled, its result the step's
+        loss; returns that result, as torch's optimizers do."""
+        if closure is None and callable(loss_value) and not isinstance(loss_value, torch.Tensor):
+            closure, loss_value = loss_value, None
+        if closure is None:
+            return self._step(loss_value)
+        if loss_value is not None:
+            raise TypeError("DeepNestedOptimizer.step: give a loss or a closure, not both")
+        with torch.enable_grad():
+            loss = closure()
+        self._step(loss)
+        return loss
+
+    def _step(self, loss_value):
         self._params.check_group_count()
+        base_lr = self._step_base_lr()
         loss = self._take_loss(loss_value)
         t = self.global_step + 1
         control = self._control
@@ -313,7 +388,7 @@ class DeepNestedOptimizer:
             else:  # a finite float beyond float32's range: its largest value, as a step goes on
                 control.loss.fill_(loss_in_float32_range(loss))
             self.global_step = t
-            step = self._inputs(t, t % self.controller_update_freq == 0 or t == 1)
+            step = self._inputs(t, t % self.controller_update_freq == 0 or t == 1, base_lr)
             self._clipped_in_place = False
             self._updated = False  # whether this step's update ran (a post-hook may raise after)
             try:
@@ -412,8 +487,9 @@ class DeepNestedOptimizer:
                 self._params.raise_by_name(err, params)
             self._clipped_in_place = True
         kept = [group["lr"] for group in base.param_groups]
+        base_lr = self.base_lr
         for group, mu in zip(base.param_groups, control.lr_multipliers.tolist()):
-            group["lr"] = self.base_lr * mu
+            group["lr"] = base_lr * mu
 
         def update():  # by the groups' lr, as a pre-hook leaves them
             adamw_step(base)
@@ -475,6 +551,9 @@ class DeepNestedOptimizer:
                 group["lr"] = lr
         sd = {
             "base_optimizer": base,
+            # the groups' base learning rates (a scheduler's values), which the reference's
+            # layout does not hold
+            "base_lrs": [group["lr"] for group in self.base_optimizer.param_groups],
             "momentum_mlp": module_state(self.momentum_mlp, self.use_compile),
             "controller": module_state(self.controller, self.use_compile),
             "meta_optimizer": self.meta_optimizer.state_dict(),
@@ -504,7 +583,13 @@ class DeepNestedOptimizer:
             state_dict, momentum_mlp=self.momentum_mlp, controller=self.controller,
             meta_optimizer=self.meta_optimizer, mlp_optimizer=self.mlp_optimizer,
             cms_state=self._cms, meta_window=self.meta_trainer.window_size, device=self.device)
+        # the groups' "lr" is the base learning rate (the saved groups hold base_lr * mu_g in
+        # AdamW mode, as the reference's): ours saved it as base_lrs; a reference checkpoint
+        # holds none and the current one stays, as the reference keeps its base_lr on a load
+        base_lrs = checked.base_lrs or [g["lr"] for g in self.base_optimizer.param_groups]
         self.base_optimizer.load_state_dict(state_dict["base_optimizer"])  # checks, then writes
+        for group, lr in zip(self.base_optimizer.param_groups, base_lrs):
+            group["lr"] = lr
         self.momentum_mlp.load_state_dict(uncompiled(state_dict["momentum_mlp"]))
         self.controller.load_state_dict(uncompiled(state_dict["controller"]))
         # deep copies: torch's load keeps a tensor already on the right device, so an in-memory
