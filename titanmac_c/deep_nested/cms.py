@@ -111,6 +111,7 @@ class CMSMode:
         self.phase1_cpu_path = device.type == "cpu"
         self.phase1_plans = {}
         self.last_surrogate_loss = None
+        self.phase1_undo = None  # see phase1
         self.scratch = Scratch()
         self.relaid = False  # the last Phase 2 laid gradients out (phase2)
 
@@ -126,6 +127,7 @@ class CMSMode:
         zero at this point in the reference (B1). On the CPU the loss's gradient comes from the
         C core (tm_cms_surrogate); on CUDA from its algorithm in torch ops
         (surrogate.surrogate_gradient)."""
+        self.phase1_undo = None  # set when this step's Phase 1 wrote: undone if Phase 2 fails
         if not self.phase1_due(step):
             return
         if self.phase1_cpu_path and float(self.control.skipped) != 0.0:
@@ -137,12 +139,38 @@ class CMSMode:
         selected = select_phase1_tensors(self.params.base.param_groups)
         if not selected:
             return
+        # an exception from here until Phase 2 has written (torch's optimizer hooks run in the
+        # MLP's Adam step; a tensor's __dlpack__; a signal) is undone by the caller with this
+        self.phase1_undo = self._phase1_undo(step)
         step.mlp_optimizer.zero_grad()
         total = self._phase1_gradient(selected, step.momentum_mlp)
         # The reference's clip (torch ops, no host sync) and Adam step.
         fused_clip_grad_norm_(step.momentum_mlp.parameters(), META_GRAD_CLIP, inplace=True)
         step.mlp_optimizer.step()
         self.last_surrogate_loss = total.detach()
+
+    def _phase1_undo(self, step):
+        """A function that puts back what Phase 1 writes: the MLP's weights and gradients, its
+        Adam state, the output history. Copies made every Phase 1 step: the weights and Adam
+        state are small; the history holds at most SURROGATE_MAX_TENSORS tensors, in float32,
+        a fraction of what the per-element MLP itself computes over them."""
+        mlp, adam = step.momentum_mlp, step.mlp_optimizer
+        weights = [(w, w.detach().clone(), w.grad) for w in mlp.parameters()]
+        adam_state = {p: {k: v.clone() if isinstance(v, torch.Tensor) else v
+                          for k, v in entry.items()} for p, entry in adam.state.items()}
+        history = {i: t.clone() for i, t in self.output_history.items()}
+        last_loss = self.last_surrogate_loss
+
+        def undo():
+            with torch.no_grad():
+                for w, value, grad in weights:
+                    w.copy_(value)
+                    w.grad = grad
+            adam.state.clear()
+            adam.state.update(adam_state)
+            self.output_history = history
+            self.last_surrogate_loss = last_loss
+        return undo
 
     def _check_state_matches(self):
         """Phase 1 trains the MLP before Phase 2 runs: a parameter that no longer matches its CMS

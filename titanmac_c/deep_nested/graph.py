@@ -155,8 +155,10 @@ class GraphState:
             try:
                 cms.phase1(step)
                 self._replay(("tail", fires), lambda: self._captured_tail(step))
-            except Exception:
-                self.control.undo()  # refused after the control op ran: the step did not happen
+            except BaseException:  # an interrupt too
+                self.control.undo()
+                if cms.phase1_undo is not None:
+                    cms.phase1_undo()  # refused after the control op ran: the step did not happen
                 raise
         else:
             self._replay((update, fires), lambda: (self._captured_head(step),

@@ -376,8 +376,9 @@ class DeepNestedOptimizer(torch.optim.Optimizer):
         t = self.global_step + 1
         control = self._control
         if not isinstance(loss, torch.Tensor) and not math.isfinite(loss):
-            self.global_step = t
+            # warned first: a warning filter may turn it into an exception, before any change
             warnings.warn(f"DeepNestedOptimizer step {t}: non-finite loss ({loss}), skipping")
+            self.global_step = t
             self.base_optimizer.zero_grad(set_to_none=self._graph is None
                                           or not self._graph.captured)
             return {"global_step": t, "lr_multipliers": control.lr_multipliers.tolist(),
@@ -387,21 +388,23 @@ class DeepNestedOptimizer(torch.optim.Optimizer):
                 control.loss.copy_(loss_in_float32_range(loss.detach().reshape(1)))
             else:  # a finite float beyond float32's range: its largest value, as a step goes on
                 control.loss.fill_(loss_in_float32_range(loss))
-            self.global_step = t
-            step = self._inputs(t, t % self.controller_update_freq == 0 or t == 1, base_lr)
-            self._clipped_in_place = False
             self._updated = False  # whether this step's update ran (a post-hook may raise after)
             try:
+                self.global_step = t
+                step = self._inputs(t, t % self.controller_update_freq == 0 or t == 1, base_lr)
+                self._clipped_in_place = False
                 with prof.step_range(prof.STEP):
                     if self._graph is None or not self._graph.step(step):
                         self._eager_step(step, isinstance(loss, torch.Tensor))
-            except Exception:
+            except BaseException as err:
                 if self._updated:
                     raise
-                # Refused before the update wrote anything (the C core names a tensor it
-                # refuses; the control op's outputs are undone): the step did not happen.
+                # Raised before the update wrote anything (a tensor the C core refuses, by name;
+                # a hook's or a __dlpack__'s exception; a KeyboardInterrupt): the control op's
+                # outputs and Phase 1 are undone, and the step did not happen.
                 self.global_step = t - 1
-                self._params.raise_if_sparse()
+                if isinstance(err, Exception):
+                    self._params.raise_if_sparse()
                 raise
         # gradients clipped in memory (step hooks) carry no pending coefficient
         self._clip_mark = None if self._clipped_in_place else mark_clipped_gradients(
@@ -456,10 +459,13 @@ class DeepNestedOptimizer(torch.optim.Optimizer):
                         adamw_step(self.base_optimizer, lr=control.lr, grad_scale=control.coef,
                                    skip=control.skipped, zero_grads_on_skip=True,
                                    planned_grads=planned_grads)
-        except Exception as err:  # a refusal, or a malformed state entry found before a write
+        except BaseException as err:  # a refusal, a malformed state entry, an interrupt
             if not self._updated:
                 control.undo()
-            self._params.name_group_positions(err)
+                if self._cms_mode is not None and self._cms_mode.phase1_undo is not None:
+                    self._cms_mode.phase1_undo()
+            if isinstance(err, Exception):
+                self._params.name_group_positions(err)
             raise
         self._updated = True
 

@@ -242,7 +242,7 @@ class AdamW(Optimizer):
             if amp is not None:
                 self._pending_clip.warn_if_loss_scaled(amp)
             adamw_step(self, amp=amp)
-        except Exception:
+        except BaseException:  # a KeyboardInterrupt too
             # GradScaler removes its attributes only after a step that returned; left in place,
             # its next step would multiply the next loss scale into this one
             for name in ("grad_scale", "found_inf"):
@@ -288,7 +288,7 @@ class AdamW(Optimizer):
         for batch in batches:
             try:
                 self._run_batch(batch, groups, lrs, *args)
-            except Exception:
+            except BaseException:  # refused, or interrupted (a __dlpack__, a signal) before
                 committed.take_back(batch, batches)
                 raise
         self._pending_clip.clear()
