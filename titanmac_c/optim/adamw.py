@@ -288,7 +288,8 @@ class AdamW(Optimizer):
         for batch in batches:
             try:
                 self._run_batch(batch, groups, lrs, *args)
-            except BaseException:  # refused, or interrupted (a __dlpack__, a signal) before
+            except Exception:  # refused before any write (an interrupt keeps the new state:
+                # it may arrive after the call wrote, see CommittedNewState)
                 committed.take_back(batch, batches)
                 raise
         self._pending_clip.clear()
