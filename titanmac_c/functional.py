@@ -7,8 +7,12 @@ Differences from torch (also listed in docs/adamw.md):
   ValueError, where torch takes |z| element by element.
 - the norm is reduced in double and returned in the promoted dtype of the tensors (as torch
   returns it); for bf16/fp16 gradients torch sums in that dtype, so ours is the more accurate one.
-- clip_grad_norm_ computes the clip coefficient from the float32 norm (the float64 norm, in
-  double, when a gradient is float64: torch's arithmetic for those).
+- clip_grad_norm_ computes the clip coefficient from the norm it returns, as torch's does: in
+  float32 from the norm in the gradients' dtype (a bf16/fp16 norm is the double-reduced norm
+  rounded to that dtype; a float16 one past 65504 is inf, which scales the gradients by 0), in
+  double from a float64 norm. torch also rounds each step of the coefficient (the reciprocal,
+  the product) to the gradients' dtype; ours stays float32, so clipped bf16/fp16 gradients may
+  differ from torch's by one unit of their rounding.
 - get_total_norm and clip_grad_norm_ never wait on the GPU unless error_if_nonfinite=True.
 - non-contiguous tensors are taken in place when dense in another order (transposed,
   channels_last); others (strided slices, expanded tensors) are read through a contiguous copy
@@ -38,6 +42,7 @@ from ._internal.norm_calls import (
     raise_if_nonfinite,
     refuse_expanded,
     result_dtype,
+    returned_norm,
     scale_grads,
     sharded_norms,
     total_on_device,
@@ -119,13 +124,13 @@ def _clip(all_grads, max_norm, norm_type, error_if_nonfinite):
     by_device = group_by_device("parameters", all_grads)
     devices = list(by_device)
     single = len(devices) == 1
+    dtype = result_dtype(grads)  # returned in the gradients' dtype, as torch's
     with prof.step_range(prof.STATS):
         buffers = [total_on_device("parameters", *placed, norm_type, dev,
-                                    max_norm if single else None)
+                                    max_norm if single else None, dtype)
                    for dev, placed in by_device.items()]
     total = combine_totals([b[1] for b in buffers], devices, norm_type)
-    dtype = result_dtype(grads)  # returned in the gradients' dtype, as torch's
-    result = total if dtype == total.dtype else total.to(dtype)
+    result = returned_norm(total, dtype)
     if error_if_nonfinite:  # on the norm as returned: an fp16 one is inf where the float32 one
         raise_if_nonfinite(result, norm_type)  # is finite, and torch raises there
     if not single:  # one C call per device: what one would refuse, refused before any
@@ -134,8 +139,8 @@ def _clip(all_grads, max_norm, norm_type, error_if_nonfinite):
     with prof.step_range(prof.CLIP):
         for (device, (positions, device_grads)), buf in zip(by_device.items(), buffers):
             coef = buf[2:3]
-            if not single:  # the coefficient of the norm over all devices
-                _C.clip_coef(total.reshape(1).to(device), max_norm, coef,
+            if not single:  # the coefficient of the norm over all devices, as returned
+                _C.clip_coef(result.reshape(1).to(device), max_norm, coef,
                              stream=exec_kwargs(device).get("stream"))
             scale_grads(device, positions, device_grads, coef)
     return result
@@ -146,15 +151,17 @@ def _clip_sharded(sharded, max_norm, norm_type, error_if_nonfinite, dtype):
     its local shards by the same coefficient."""
     with prof.step_range(prof.STATS):
         total = sharded.total(local_norm("parameters", norm_type), norm_type)
+    result = returned_norm(total, dtype)
     if error_if_nonfinite:
-        raise_if_nonfinite(total.to(dtype), norm_type)
+        raise_if_nonfinite(result, norm_type)
     device = total.device
     coef = torch.empty(1, dtype=total.dtype, device=device)
-    _C.clip_coef(total.reshape(1), max_norm, coef, stream=exec_kwargs(device).get("stream"))
+    # from the norm as returned, as in _clip
+    _C.clip_coef(result.reshape(1), max_norm, coef, stream=exec_kwargs(device).get("stream"))
     with prof.step_range(prof.CLIP):  # one call: a refused gradient stops all before any write
         scale_grads(device, sharded.positions, [local_of(t) for t in sharded.tensors], coef,
                      sharded.tensors)
-    return sharded.replicated(total if dtype == total.dtype else total.to(dtype))
+    return sharded.replicated(result)
 
 
 @eager_only

@@ -83,7 +83,7 @@ tm_dims_text(char *buf, size_t cap, const int64_t *v, int32_t n)
 const char *
 tm_layout_text(const tm_tensor *t, char *buf)
 {
-    if (t->shape == NULL) {
+    if (t->strides == NULL) {
         snprintf(buf, TM_LAYOUT_TEXT, "contiguous");
         return buf;
     }
@@ -107,8 +107,8 @@ next_long_dim(const tm_tensor *t, int32_t d)
 int
 tm_same_order(const tm_tensor *a, const tm_tensor *b)
 {
-    if (a->shape == NULL || b->shape == NULL) {
-        return a->shape == b->shape;
+    if (a->strides == NULL || b->strides == NULL) {
+        return a->strides == b->strides;
     }
     int32_t i = next_long_dim(a, 0), j = next_long_dim(b, 0);
     for (; i < a->ndim && j < b->ndim; i = next_long_dim(a, i + 1), j = next_long_dim(b, j + 1)) {
@@ -117,6 +117,34 @@ tm_same_order(const tm_tensor *a, const tm_tensor *b)
         }
     }
     return i == a->ndim && j == b->ndim;
+}
+
+int
+tm_same_shape(const tm_tensor *a, const tm_tensor *b)
+{
+    if (a->shape == NULL || b->shape == NULL) {
+        return 1;
+    }
+    if (a->ndim != b->ndim) {
+        return 0;
+    }
+    for (int32_t d = 0; d < a->ndim; d++) {
+        if (a->shape[d] != b->shape[d]) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
+const char *
+tm_shape_text(const tm_tensor *t, char *buf)
+{
+    if (t->shape == NULL) {
+        snprintf(buf, TM_SHAPE_TEXT, "(not given)");
+    } else {
+        tm_dims_text(buf, TM_SHAPE_TEXT, t->shape, t->ndim);
+    }
+    return buf;
 }
 
 int
@@ -169,6 +197,23 @@ tm_check_usable(const tm_tensor *t, const char *name, int32_t index)
              tm_label(name, index, label), (uintptr_t)t->data, tm_dtype_size(t->dtype));
     TM_CHECK(t->device_type == TM_DEVICE_CPU || t->device_type == TM_DEVICE_CUDA, TM_ERR_BUFFER,
              "%s: unsupported device type %d", tm_label(name, index, label), (int)t->device_type);
+    /* the order of a tensor laid out otherwise than C's is read from its sizes and strides */
+    TM_CHECK(t->shape != NULL || t->strides == NULL, TM_ERR_BUFFER,
+             "%s: strides given without a shape", tm_label(name, index, label));
+    if (t->shape != NULL) {
+        /* the shape compared between paired tensors must be this tensor's */
+        int64_t n = 1;
+        int ok = t->ndim >= 0;
+        for (int32_t d = 0; ok && d < t->ndim; d++) {
+            ok = t->shape[d] >= 0 && (t->shape[d] == 0 || n <= INT64_MAX / t->shape[d]);
+            n = ok ? n * t->shape[d] : n;
+        }
+        char shape[TM_SHAPE_TEXT];
+        TM_CHECK(ok && n == t->numel, TM_ERR_BUFFER, "%s: shape %s (ndim %d) does not hold its "
+                 "numel %lld", tm_label(name, index, label),
+                 t->ndim >= 0 ? tm_shape_text(t, shape) : "?", (int)t->ndim,
+                 (long long)t->numel);
+    }
     return TM_OK;
 }
 

@@ -52,6 +52,17 @@ const char *tm_layout_text(const tm_tensor *t, char *buf);
  * memory is then the same index). */
 int tm_same_order(const tm_tensor *a, const tm_tensor *b);
 
+/* a and b have the same shape (ndim and every size), or one of them has none given (shape NULL:
+ * the caller knows only its numel). */
+int tm_same_shape(const tm_tensor *a, const tm_tensor *b);
+
+/* Room for a shape text: 8 sizes of up to 20 characters and the separators. */
+#define TM_SHAPE_TEXT 200
+
+/* "[4, 6]" (the first 8 sizes, then ", ..."), "[]" for a 0-d tensor, "(not given)" without a
+ * shape, into buf[TM_SHAPE_TEXT]. Returns buf. */
+const char *tm_shape_text(const tm_tensor *t, char *buf);
+
 /* Same device type, and for CUDA the same ordinal (every CPU tensor is on the one host). */
 int tm_same_device(const tm_tensor *a, const tm_tensor *b);
 
@@ -66,7 +77,7 @@ tm_status tm_check_list(const tm_tensor_list *list);
 tm_status tm_check_count(const tm_tensor_list *list, int32_t expected, const char *lead_name);
 
 /* What any usable tensor satisfies: numel >= 0, data != NULL when numel > 0, a known dtype and
- * device type (TM_ERR_BUFFER). */
+ * device type, a shape wherever strides are given (TM_ERR_BUFFER). */
 tm_status tm_check_usable(const tm_tensor *t, const char *name, int32_t index);
 
 /* On the device of ref, else "exp_avg[5]: on cuda:1, but params[0] is on cpu" (TM_ERR_VALUE). */

@@ -56,9 +56,24 @@ check_order(const tm_role *r, int32_t i)
 {
     const tm_tensor *t = &r->list.tensors[i];
     char label[TM_LABEL_TEXT], layout[TM_LAYOUT_TEXT];
-    TM_CHECK(t->shape == NULL || (r->flags & (TM_ROLE_ANY_ORDER | TM_ROLE_PAIRED)), TM_ERR_BUFFER,
+    TM_CHECK(t->strides == NULL || (r->flags & (TM_ROLE_ANY_ORDER | TM_ROLE_PAIRED)), TM_ERR_BUFFER,
              "%s: not contiguous (%s)", tm_label(r->list.name, index_of(r, i), label),
              tm_layout_text(t, layout));
+    return TM_OK;
+}
+
+/* Element-wise ops pair element k of one tensor with element k of the other; torch's ops pair
+ * them by index, which is the same only where the shapes agree: a state made for a (4, 6)
+ * parameter stepped with the parameter reshaped to (6, 4) (`p.data = p.data.reshape(6, 4)`, a
+ * checkpoint of another model) has the numel but not the meaning of its state, and torch's
+ * foreach ops refuse it. */
+static tm_status
+check_same_shape(const tm_tensor_list *l, const tm_tensor_list *lead, int32_t i)
+{
+    const tm_tensor *a = &l->tensors[i], *b = &lead->tensors[i];
+    char sa[TM_SHAPE_TEXT], sb[TM_SHAPE_TEXT];
+    TM_CHECK(tm_same_shape(a, b), TM_ERR_VALUE, "%s[%d]: shape %s does not match %s[%d] shape %s",
+             l->name, (int)i, tm_shape_text(a, sa), lead->name, (int)i, tm_shape_text(b, sb));
     return TM_OK;
 }
 
@@ -88,7 +103,7 @@ check_usable(const tm_role *roles, int n, tm_device_ref *ref)
                 continue;
             }
             TM_TRY(tm_check_usable(&r->list.tensors[i], r->list.name, index_of(r, i)));
-            if (r->list.tensors[i].shape != NULL) { /* C-contiguous: nothing to check */
+            if (r->list.tensors[i].strides != NULL) { /* else C-contiguous: nothing to check */
                 TM_TRY(check_order(r, i));
             }
             if (ref->tensor == NULL) {
@@ -129,9 +144,11 @@ check_match(const tm_role *roles, int n, int dtype)
             TM_CHECK(dtype || a->numel == b->numel, TM_ERR_VALUE,
                      "%s[%d]: numel %lld does not match %s[%d] numel %lld", l->name, (int)i,
                      (long long)a->numel, lead->name, (int)i, (long long)b->numel);
-            if (!dtype && (roles[k].flags & TM_ROLE_PAIRED) &&
-                (a->shape != NULL || b->shape != NULL)) {
-                TM_TRY(check_same_order(l, lead, i));
+            if (!dtype && (roles[k].flags & TM_ROLE_PAIRED)) {
+                TM_TRY(check_same_shape(l, lead, i));
+                if (a->strides != NULL || b->strides != NULL) {
+                    TM_TRY(check_same_order(l, lead, i));
+                }
             }
             TM_CHECK(!dtype || a->dtype == b->dtype, TM_ERR_VALUE,
                      "%s[%d]: dtype %s does not match %s[%d] dtype %s", l->name, (int)i,

@@ -20,8 +20,8 @@ enum {
     TM_ROLE_ANY_ORDER = 32u, /* may be dense in another order than C's (element-wise roles); the
                                 others must be C-contiguous */
     TM_ROLE_PAIRED = 64u /* element k pairs with element k of the lead's tensor at the same
-                            index: any order (implies TM_ROLE_ANY_ORDER), but the lead's
-                            (tm_same_order) */
+                            index: the lead's shape where both are given (tm_same_shape), any
+                            order (implies TM_ROLE_ANY_ORDER), but the lead's (tm_same_order) */
 };
 
 /* The tensor whose device a call runs on, and its name for messages ("params[0]"). */
@@ -45,9 +45,10 @@ tm_role tm_lone_role(const tm_tensor *t, const char *name, unsigned flags);
 tm_status tm_roles_structure(const tm_role *roles, int n);
 
 /* Per tensor, then across tensors: usable (C-contiguous unless TM_ROLE_ANY_ORDER or
- * TM_ROLE_PAIRED), one device (sets *ref), numel (and memory order where TM_ROLE_PAIRED) and dtype
- * against the lead list, writable, and no tensor the call writes sharing memory with any other
- * tensor of the call (other lists, other indices, lone inputs; tensors only read may share). */
+ * TM_ROLE_PAIRED), one device (sets *ref), numel (and shape and memory order where
+ * TM_ROLE_PAIRED) and dtype against the lead list, writable, and no tensor the call writes
+ * sharing memory with any other tensor of the call (other lists, other indices, lone inputs;
+ * tensors only read may share). */
 tm_status tm_roles_check(const tm_role *roles, int n, tm_device_ref *ref);
 
 /* exec->scratch holds at least need bytes, 8-byte aligned (CPU partials are doubles), sharing

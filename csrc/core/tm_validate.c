@@ -90,6 +90,8 @@ tm_validate_norms(const tm_tensor_list *grads, const tm_tensor_list *params,
      * infinite norm, as torch's) */
     TM_CHECK(!tm_tensor_given(&out->coef) || args->max_norm >= 0.0, TM_ERR_VALUE,
              "max_norm = %g: must be >= 0 (inf: no clipping)", args->max_norm);
+    TM_CHECK(!tm_tensor_given(&out->coef) || tm_dtype_size(args->result_dtype) != 0,
+             TM_ERR_VALUE, "result_dtype = %d: not a tm_dtype", (int)args->result_dtype);
     return tm_check_scratch(exec, tm_norms_scratch_bytes(grads, params), roles, NORMS_ROLES);
 }
 
@@ -109,7 +111,12 @@ tm_validate_clip(const tm_tensor *total_norm, double max_norm, const tm_tensor *
     TM_TRY(tm_roles_check(roles, 2, ref));
     TM_CHECK(max_norm >= 0.0, TM_ERR_VALUE, "max_norm = %g: must be >= 0 (inf: no clipping)",
              max_norm);
-    TM_TRY(tm_check_real_numel(total_norm, "total_norm", TM_NO_INDEX, 1));
+    /* the norm as the caller returns it, in any dtype (a float16 or bfloat16 one is the norm of
+     * such gradients, which the coefficient must be computed from); the coefficient is the
+     * multiplier of the gradients, float32 or float64 */
+    TM_CHECK(total_norm->numel == 1, TM_ERR_VALUE,
+             "total_norm: expected 1 element, got %s with %lld", tm_dtype_name(total_norm->dtype),
+             (long long)total_norm->numel);
     TM_TRY(tm_check_real_numel(coef, "coef", TM_NO_INDEX, 1));
     return tm_check_scratch(exec, 0, roles, 2);
 }

@@ -290,10 +290,16 @@ tm_validate_cms_surrogate(const tm_cms_surrogate_tensors *t, const tm_cms_surrog
     TM_TRY(check_cms_weights(w, &net));
     TM_TRY(check_f32_list(wg));
     for (int32_t i = 0; i < wg->count; i++) {
-        TM_CHECK(wg->tensors[i].numel == w->tensors[i].numel, TM_ERR_VALUE,
+        const tm_tensor *a = &wg->tensors[i], *b = &w->tensors[i];
+        char sa[TM_SHAPE_TEXT], sb[TM_SHAPE_TEXT];
+        TM_CHECK(a->numel == b->numel, TM_ERR_VALUE,
                  "%s[%d]: numel %lld does not match %s[%d] numel %lld", wg->name, (int)i,
-                 (long long)wg->tensors[i].numel, w->name, (int)i,
-                 (long long)w->tensors[i].numel);
+                 (long long)a->numel, w->name, (int)i, (long long)b->numel);
+        /* element k of a weight's gradient is written for element k of the weight: a gradient
+         * of the transposed shape would hold every element in another's place */
+        TM_CHECK(tm_same_shape(a, b), TM_ERR_VALUE, "%s[%d]: shape %s does not match %s[%d] "
+                 "shape %s", wg->name, (int)i, tm_shape_text(a, sa), w->name, (int)i,
+                 tm_shape_text(b, sb));
     }
     TM_CHECK(isfinite(args->divisor) && args->divisor >= 1.0, TM_ERR_VALUE,
              "divisor = %g: must be finite and >= 1", args->divisor);

@@ -138,9 +138,12 @@ write_outputs(const norms_ctx *ctx, const tm_norms_args *args, const tm_norms_ou
     combine_groups(ctx, ctx->grad_part, args, &out->group_grad);
     cpu_store_real(&out->total_grad, 0, tm_norm_finish(total, ctx->p));
     if (tm_tensor_given(&out->coef)) {
-        /* from the norm as stored, as tm_clip_coef would compute it */
+        /* from the norm as stored and rounded to the dtype the caller returns it in, as
+         * tm_clip_coef computes it from that returned norm */
         tm_real_store_clip_coef(out->coef.data, out->coef.dtype == TM_FLOAT64,
-                                cpu_read_real(&out->total_grad, 0), args->max_norm);
+                                cpu_round_to(cpu_read_real(&out->total_grad, 0),
+                                             args->result_dtype),
+                                args->max_norm);
     }
     if (tm_tensor_given(&out->nonfinite)) {
         int bad = ctx->flag_part != NULL ? combine_all(ctx->flag_part, blocks, CPU_NORM_L1) != 0.0

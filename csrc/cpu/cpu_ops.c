@@ -213,7 +213,7 @@ cpu_clip_coef(const tm_tensor *total_norm, double max_norm, const tm_tensor *coe
               const tm_exec *exec)
 {
     (void)exec;
-    tm_real_store_clip_coef(coef->data, coef->dtype == TM_FLOAT64, cpu_read_real(total_norm, 0),
+    tm_real_store_clip_coef(coef->data, coef->dtype == TM_FLOAT64, cpu_read_scalar(total_norm),
                             max_norm);
     return TM_OK;
 }

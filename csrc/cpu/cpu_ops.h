@@ -16,6 +16,7 @@
 #include <stdint.h>
 
 #include "../common/tm_cms_finish.h"
+#include "../common/tm_half.h"
 #include "../common/tm_math.h"
 #include "../common/tm_tensor.h"
 #include "titanmac.h"
@@ -204,6 +205,34 @@ static inline void
 cpu_store_real(const tm_tensor *t, int64_t i, double value)
 {
     tm_real_store(t->data, t->dtype == TM_FLOAT64, i, value);
+}
+
+/* value as a tensor of dtype holds it, widened back (exactly): a float16 or bfloat16 one rounded
+ * to float first, then to nearest even, as torch's .to() of a float32 norm rounds it; float32
+ * and float64 leave it as it is (the norms are stored in those before this is asked). */
+static inline double
+cpu_round_to(double value, tm_dtype dtype)
+{
+    if (dtype == TM_FLOAT16) {
+        return tm_f16_to_f32(tm_f32_to_f16((float)value));
+    }
+    if (dtype == TM_BFLOAT16) {
+        return tm_bf16_to_f32(tm_f32_to_bf16((float)value));
+    }
+    return value;
+}
+
+/* Element 0 of a one-element tensor of any dtype (validated), exactly, as a double. */
+static inline double
+cpu_read_scalar(const tm_tensor *t)
+{
+    if (t->dtype == TM_FLOAT16) {
+        return tm_f16_to_f32(*(const uint16_t *)t->data);
+    }
+    if (t->dtype == TM_BFLOAT16) {
+        return tm_bf16_to_f32(*(const uint16_t *)t->data);
+    }
+    return cpu_read_real(t, 0);
 }
 
 /* out[q] = sum over nb blocks of part q, block b's parts at first[b * stride], in block order:

@@ -6,7 +6,8 @@
  * a CUDA graph (llm.c computes its clip factor on the device the same way; torch itself offers
  * get_total_norm and clip_grads_with_norm_ as separate calls for the same reason).
  *
- * total_norm, coef and scale may each be float32 or float64 (real_ref carries which).
+ * coef and scale may each be float32 or float64 (real_ref carries which); total_norm may also be
+ * float16 or bfloat16 (the norm as returned for such gradients, whose value the coefficient is of).
  *
  * clip_coef_kernel: one thread, one element, in coef's arithmetic (tm_real_store_clip_coef, as the
  * CPU): float32 from the norm rounded to float, double from the norm as a double.
@@ -25,9 +26,10 @@
 /* ---------------------------------------------------------------- clip coefficient ---- */
 
 __global__ void
-clip_coef_kernel(const real_ref total_norm, double max_norm, const real_ref coef)
+clip_coef_kernel(const void *total_norm, tm_dtype norm_dtype, double max_norm,
+                 const real_ref coef)
 {
-    store_clip_coef(coef, load_real(total_norm, 0), max_norm);
+    store_clip_coef(coef, load_scalar(total_norm, norm_dtype), max_norm);
 }
 
 tm_status
@@ -39,8 +41,8 @@ cuda_clip_coef(const tm_tensor *total_norm, double max_norm, const tm_tensor *co
     TM_TRY(guard.enter(total_norm->device_id));
     /* torch multiplies a float32 tensor by the Python float max_norm in float32, a float64 one
      * in double: store_clip_coef rounds max_norm for a float32 coef */
-    clip_coef_kernel<<<1, 1, 0, cuda_stream_of(exec)>>>(real_ref_of(*total_norm), max_norm,
-                                                        real_ref_of(*coef));
+    clip_coef_kernel<<<1, 1, 0, cuda_stream_of(exec)>>>(total_norm->data, total_norm->dtype,
+                                                        max_norm, real_ref_of(*coef));
     TM_CUDA_CHECK(cudaGetLastError());
     return TM_OK;
 }

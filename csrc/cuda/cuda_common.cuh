@@ -241,6 +241,34 @@ store_clip_coef(real_ref coef, double total_norm, double max_norm)
     tm_real_store_clip_coef(coef.ptr, coef.f64, total_norm, max_norm);
 }
 
+/* value as a tensor of dtype holds it, widened back (exactly): float16 and bfloat16 rounded to
+ * float first, then to nearest even (overflow: inf), as the CPU's cpu_round_to and torch's .to();
+ * float32 and float64 as it is (the norms are stored in those before this is asked). */
+static __device__ __forceinline__ double
+round_to_dtype(double value, tm_dtype dtype)
+{
+    if (dtype == TM_FLOAT16) {
+        return (double)__half2float(__float2half_rn((float)value));
+    }
+    if (dtype == TM_BFLOAT16) {
+        return (double)__bfloat162float(__float2bfloat16_rn((float)value));
+    }
+    return value;
+}
+
+/* Element 0 of a one-element tensor of any dtype, exactly, as a double. */
+static __device__ __forceinline__ double
+load_scalar(const void *ptr, tm_dtype dtype)
+{
+    if (dtype == TM_FLOAT16) {
+        return (double)__half2float(*(const __half *)ptr);
+    }
+    if (dtype == TM_BFLOAT16) {
+        return (double)__bfloat162float(*(const __nv_bfloat16 *)ptr);
+    }
+    return tm_real_load(ptr, dtype == TM_FLOAT64, 0);
+}
+
 /* ---------------------------------------------------------------- reductions ---- */
 
 /* Tree over the 32 lanes; lane 0 holds the result. The shape of the tree is fixed, so the bits

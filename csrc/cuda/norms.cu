@@ -242,6 +242,7 @@ struct norms_finish_args {
     real_ref total_out[2]; /* total_grad, total_param */
     real_ref nonfinite;
     real_ref coef; /* clip coefficient of total_grad */
+    tm_dtype result_dtype; /* the coefficient's norm: total_grad rounded to it */
 };
 
 typedef double finish_cols[TM_FINISH_GROUPS][TM_FINISH_BLOCK];
@@ -322,8 +323,11 @@ norms_finish_kernel(const __grid_constant__ norms_finish_args a)
         }
         if (threadIdx.x == 0 && a.total_out[k].ptr != NULL) {
             store_real(a.total_out[k], 0, tm_norm_finish(v, a.p));
-            if (k == 0 && a.coef.ptr != NULL) { /* from the norm as stored, as cuda_clip_coef */
-                store_clip_coef(a.coef, load_real(a.total_out[0], 0), a.max_norm);
+            if (k == 0 && a.coef.ptr != NULL) {
+                /* from the norm as stored and rounded to the dtype the caller returns it in, as
+                 * cuda_clip_coef computes it from that returned norm */
+                store_clip_coef(a.coef, round_to_dtype(load_real(a.total_out[0], 0),
+                                                       a.result_dtype), a.max_norm);
             }
         }
     }
@@ -393,6 +397,7 @@ cuda_norms(const tm_tensor_list *grads, const tm_tensor_list *params, const tm_n
     fin.nonfinite = real_ref_of(out->nonfinite);
     fin.coef = real_ref_of(out->coef);
     fin.max_norm = args->max_norm;
+    fin.result_dtype = args->result_dtype;
     norms_finish_kernel<<<1, TM_FINISH_BLOCK, 0, walk.stream>>>(fin);
     TM_CUDA_CHECK(cudaGetLastError());
     return TM_OK;

@@ -4,7 +4,8 @@
  *
  * The inside of an optimizer step as a few fused passes over lists of tensors:
  *   tm_norms       per-group and global p-norms of gradients (and of parameters) + non-finite flag
- *   tm_clip_coef   coef = min(1, max_norm / (total_norm + 1e-6)), torch's clip_grad_norm_ formula
+ *   tm_clip_coef   coef = min(1, max_norm / (total_norm + 1e-6)), torch's clip_grad_norm_ formula,
+ *                  from the norm as the caller returns it (in the gradients' dtype)
  *   tm_scale       x *= *scale for every tensor of a list (the eager half of clip_grad_norm_)
  *   tm_adamw_step  AdamW (decoupled weight decay, bias correction, amsgrad, maximize) with a
  *                  per-group learning rate, an optional gradient scale multiplied in as each
@@ -49,6 +50,14 @@ typedef struct {
     int32_t num_groups;       /* >= 1 */
     const int32_t *group_of;  /* host [grads.count], values in [0, num_groups); NULL = all 0 */
     double max_norm;          /* finite, >= 0; read only when out->coef is wanted */
+    tm_dtype result_dtype;    /* the dtype the caller returns total_grad in, read only when
+                                 out->coef is wanted: TM_FLOAT16 or TM_BFLOAT16 -> the coefficient
+                                 is that of total_grad rounded to it (to float first), the norm
+                                 the caller returns, as torch's clip_grad_norm_ computes it from
+                                 the norm in the gradients' dtype (a float16 norm past 65504 is
+                                 inf, which clips to 0); TM_FLOAT32 (0, the default) or
+                                 TM_FLOAT64 -> of total_grad as stored. total_grad is written
+                                 unrounded either way. */
 } tm_norms_args;
 
 /* Outputs on the tensors' device, each float32 or float64 (written in its own dtype: float64
@@ -61,9 +70,10 @@ typedef struct {
     tm_tensor nonfinite;   /* [1] 1.0f when any grad element is NaN or +-Inf, else 0.0f (float64
                               grads with p = 1, 2: also when the sum overflows, where torch's
                               norm is inf too); optional */
-    tm_tensor coef;        /* [1] the clip coefficient of total_grad, exactly as tm_clip_coef
-                              computes it, written by the same finishing step (one launch fewer
-                              on CUDA); optional */
+    tm_tensor coef;        /* [1] the clip coefficient of total_grad (rounded to
+                              args->result_dtype), exactly as tm_clip_coef computes it from that
+                              value, written by the same finishing step (one launch fewer on
+                              CUDA); optional */
 } tm_norms_out;
 
 /* Scratch the caller must pass to tm_norms for these lists (0 for none needed). */
@@ -85,8 +95,11 @@ tm_status tm_norms(const tm_tensor_list *grads, const tm_tensor_list *params,
 /* coef[0] = min(1, max_norm / (total_norm[0] + 1e-6)) in the arithmetic of coef's dtype (float32:
  * the norm rounded to float first; float64: double, torch's arithmetic for a float64 norm),
  * evaluated as torch's clip_grad_norm_ evaluates it (reciprocal of norm + 1e-6, times max_norm,
- * clamp at 1). A NaN norm gives a NaN coefficient, as in torch.
- * \param[in]  total_norm  float32 or float64 [1]
+ * clamp at 1). A NaN norm gives a NaN coefficient, as in torch. total_norm is the norm as the
+ * caller returns it: a float16 or bfloat16 one (the gradients' dtype) is read as its value, so
+ * that the coefficient is the one of the norm returned (an infinite one gives 0, or NaN for an
+ * infinite max_norm, as torch's).
+ * \param[in]  total_norm  float32, float64, float16 or bfloat16 [1]
  * \param[in]  max_norm    finite, >= 0
  * \param[out] coef        float32 or float64 [1], same device */
 tm_status tm_clip_coef(const tm_tensor *total_norm, double max_norm, const tm_tensor *coef,
@@ -121,8 +134,9 @@ typedef struct {
 
 /* One entry per parameter; every list has params.count tensors of equal numel, except step
  * (numel 1 each) and max_exp_avg_sq (count 0 unless amsgrad). grads, exp_avg, exp_avg_sq and
- * max_exp_avg_sq have the dtype of their param (float64 ones are computed in double); step is
- * float32. Only grads may be read-only. */
+ * max_exp_avg_sq have the dtype of their param (float64 ones are computed in double) and its
+ * shape where both shapes are given (a state made for a (4, 6) param does not step it reshaped
+ * to (6, 4)); step is float32. Only grads may be read-only. */
 typedef struct {
     tm_tensor_list params;
     tm_tensor_list grads;

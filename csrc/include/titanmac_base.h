@@ -44,12 +44,16 @@ typedef enum { TM_DEVICE_CPU = 1, TM_DEVICE_CUDA = 2 } tm_device_type;
 #define TM_TENSOR_READ_ONLY 1u /* the producer forbids writes (DLPack READ_ONLY flag) */
 
 /* numel elements that fill the memory from data on (DLPack data + byte_offset; NULL only if
- * numel == 0). shape == NULL: C-contiguous. Else the tensor is dense in another order of its
- * dimensions (channels_last, transposed; all strides of dimensions longer than 1 positive), and
- * shape/strides (ndim of each, strides in elements) say which: element-wise ops read it as numel
+ * numel == 0). shape: the ndim sizes of the tensor (ndim 0: a 0-d tensor), or NULL when the
+ * caller does not give them; tensors whose elements a call pairs one to one (a parameter, its
+ * gradient and its state) must then have equal shapes where both are given (the roles'
+ * TM_ROLE_PAIRED check: a state made for a (4, 6) parameter is not the state of a (6, 4) one,
+ * though their numels agree), and only their numels are compared where one is not.
+ * strides == NULL: C-contiguous. Else the tensor is dense in another order of its dimensions
+ * (channels_last, transposed; all strides of dimensions longer than 1 positive; shape is then
+ * required), and strides (ndim of them, in elements) say which: element-wise ops read it as numel
  * elements in memory order, which pairs its elements with another tensor's only when that one
- * lies in the same order (the roles' TM_ROLE_PAIRED check). The arrays are borrowed for the
- * call. */
+ * lies in the same order (TM_ROLE_PAIRED again). The arrays are borrowed for the call. */
 typedef struct {
     void *data;
     int64_t numel;

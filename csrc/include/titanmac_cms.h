@@ -51,7 +51,8 @@ typedef struct {
 
 /* One entry per tensor. State lists are per level: momentum[l] is the list of m_l of every
  * tensor, named "momentum[l]" in messages ("momentum[1][3]" = level 1 of tensor 3). Every state
- * tensor is float32 with its param's numel; grads have the params' dtype (fp32, bf16, fp16, fp64).
+ * tensor is float32 with its param's numel; grads have the params' dtype (fp32, bf16, fp16, fp64);
+ * grads and state have the param's shape where both shapes are given (tm_tensor).
  * step_counts[i] is float32 with `levels` elements: element l counts level l's firings. weights
  * are the network's parameters in module order (list(net.parameters())): DIRECT W_in [H,4],
  * b_in, (W [H,H], b) x (L-1), W_out [1,H], b_out [1]; LEGACY residual_weight [1] first (never
@@ -121,10 +122,11 @@ tm_status tm_cms_check(const tm_cms_tensors *t, const tm_cms_args *args, const t
  * sums run in another order), about 1e-6 relative from them. */
 typedef struct {
     tm_tensor_list targets;      /* g's source per tensor: A_0 (float32) or the gradient (any) */
-    tm_tensor_list momentum;     /* m_0 per tensor: float32, the target's numel */
-    tm_tensor_list outputs;      /* float32, the target's numel: prev in (has_prev), o out */
+    tm_tensor_list momentum;     /* m_0 per tensor: float32, the target's numel (and shape) */
+    tm_tensor_list outputs;      /* float32, the target's numel (and shape): prev in (has_prev),
+                                    o out */
     tm_tensor_list weights;      /* as tm_cms_tensors.weights for TM_CMS_DIRECT */
-    tm_tensor_list weight_grads; /* float32, one per weight with its numel; written */
+    tm_tensor_list weight_grads; /* float32, one per weight with its numel (and shape); written */
 } tm_cms_surrogate_tensors;
 
 typedef struct {

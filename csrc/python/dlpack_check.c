@@ -4,9 +4,9 @@
  * `__c_dlpack_exchange_api__`), looked up once per type; an object's __dlpack_device__(). One
  * DLTensor (+ flags) becomes a tm_tensor after the checks every consumer makes (numpy dlpack.c,
  * nanobind, section 6 of docs/dlpack.md): device (cpu, pinned host, or cuda), dtype (float32,
- * float16, bfloat16; lanes 1), shape, layout (C-contiguous ignoring size-1 dims, whose strides
- * torch <= 2.9 rewrote to 1, NULL strides = compact; or dense in another order, whose shape and
- * strides the tm_tensor keeps), data + byte_offset, READ_ONLY. And the labelled errors
+ * float16, bfloat16; lanes 1), shape (which the tm_tensor keeps), layout (C-contiguous ignoring
+ * size-1 dims, whose strides torch <= 2.9 rewrote to 1, NULL strides = compact; or dense in another
+ * order, whose strides the tm_tensor keeps), data + byte_offset, READ_ONLY. And the labelled errors
  * ("grads[3]: ...") of the importer. No ownership here: that is dlpack_import.c's.
  */
 #include "dlpack_import.h"
@@ -285,8 +285,14 @@ py_check_dltensor(const DLTensor *dl, uint64_t flags, py_label lbl, unsigned opt
             return py_fail(PyExc_BufferError, lbl, "invalid shape %s", a);
         }
     }
-    out->ndim = 0;
-    out->shape = out->strides = NULL; /* C-contiguous */
+    /* The shape always (borrowed from the producer until py_batch_release, as data is): the core
+     * compares the shapes of tensors it pairs element by element, whose numels alone would let a
+     * state made for a (4, 6) parameter step one reshaped to (6, 4). A 0-d tensor's may be NULL
+     * (DLPack 1.3), which the core reads as "not given": it gets an empty array of its own. */
+    static const int64_t no_dims[1] = {1};
+    out->ndim = dl->ndim;
+    out->shape = dl->ndim == 0 && dl->shape == NULL ? no_dims : dl->shape;
+    out->strides = NULL; /* C-contiguous */
     if (numel > 1 && dl->strides != NULL && !is_contiguous(dl)) {
         if (!is_dense(dl)) {
             tm_dims_text(a, sizeof a, dl->shape, dl->ndim);
@@ -295,10 +301,7 @@ py_check_dltensor(const DLTensor *dl, uint64_t flags, py_label lbl, unsigned opt
                            "not contiguous, nor dense in another order (shape %s, strides %s)",
                            a, s);
         }
-        /* borrowed from the producer until py_batch_release, as data is */
-        out->ndim = dl->ndim;
-        out->shape = dl->shape;
-        out->strides = dl->strides;
+        out->strides = dl->strides; /* borrowed, as the shape */
     }
     if (numel > 0 && dl->data == NULL) {
         return py_fail(PyExc_BufferError, lbl, "data is NULL for %lld elements", (long long)numel);

@@ -44,12 +44,16 @@ static PyMethodDef module_methods[] = {
     {"norms", KW(py_norms),
      "norms(grads, params, group_grad, total_grad, *, group_param=None, total_param=None, "
      "nonfinite=None, group_of=None, num_groups=1, norm_type=2.0, num_threads=1, stream=None, "
-     "scratch=None)\n--\n\nPer-group and global p-norms of grads (and params) (tm_norms)."},
+     "scratch=None, coef=None, max_norm=0.0, result_dtype=None)\n--\n\n"
+     "Per-group and global p-norms of grads (and params) (tm_norms); with coef, the clip "
+     "coefficient of total_grad rounded to result_dtype ('float16', 'bfloat16'; None: as "
+     "stored)."},
     {"norms_scratch_bytes", KW(py_norms_scratch_bytes),
      "norms_scratch_bytes(grads, params=None)\n--\n\nBytes of scratch norms needs."},
     {"clip_coef", KW(py_clip_coef),
      "clip_coef(total_norm, max_norm, coef, *, stream=None)\n--\n\n"
-     "coef = min(1, max_norm / (total_norm + 1e-6)) on the tensors' device."},
+     "coef = min(1, max_norm / (total_norm + 1e-6)) on the tensors' device (total_norm of any "
+     "floating dtype: the norm as returned)."},
     {"scale_", KW(py_scale),
      "scale_(tensors, scale, *, num_threads=1, stream=None)\n--\n\nt *= scale[0] for each t."},
     {"dno_control", KW(py_dno_control),

@@ -9,6 +9,8 @@
 #include "py_call.h"
 #include "tm_tensor.h"
 
+#include <string.h>
+
 /* ---------------------------------------------------------------- AdamW ---- */
 
 static int
@@ -89,22 +91,51 @@ py_adamw_scratch_bytes(PyObject *module, PyObject *args, PyObject *kwargs)
 
 /* ---------------------------------------------------------------- norms, clip, scale ---- */
 
+/* result_dtype= of norms: None (the norm as stored) or a dtype's name ("float16", ...). */
+static int
+parse_result_dtype(PyObject *obj, tm_dtype *out)
+{
+    *out = TM_FLOAT32;
+    if (obj == Py_None) {
+        return 0;
+    }
+    const char *name = PyUnicode_Check(obj) ? PyUnicode_AsUTF8(obj) : NULL;
+    if (name == NULL) {
+        if (!PyErr_Occurred()) {
+            PyErr_Format(PyExc_TypeError, "result_dtype: expected None or a dtype name, got %.100s",
+                         Py_TYPE(obj)->tp_name);
+        }
+        return -1;
+    }
+    for (int d = 0; d < TM_DTYPE_COUNT; d++) {
+        if (strcmp(name, tm_dtype_name((tm_dtype)d)) == 0) {
+            *out = (tm_dtype)d;
+            return 0;
+        }
+    }
+    PyErr_Format(PyExc_ValueError, "result_dtype = '%.100s': expected float32, float16, bfloat16 "
+                 "or float64", name);
+    return -1;
+}
+
 PyObject *
 py_norms(PyObject *module, PyObject *args, PyObject *kwargs)
 {
     static char *kwlist[] = {"grads", "params", "group_grad", "total_grad", "group_param",
                              "total_param", "nonfinite", "group_of", "num_groups", "norm_type",
-                             "num_threads", "stream", "scratch", "coef", "max_norm", NULL};
+                             "num_threads", "stream", "scratch", "coef", "max_norm",
+                             "result_dtype", NULL};
     PyObject *grads, *params, *group_grad, *total_grad, *group_param = Py_None;
     PyObject *total_param = Py_None, *nonfinite = Py_None, *group_of = Py_None;
-    PyObject *stream = Py_None, *scratch = Py_None, *coef = Py_None;
+    PyObject *stream = Py_None, *scratch = Py_None, *coef = Py_None, *result_dtype = Py_None;
     tm_norms_args a = {.norm_type = 2.0, .num_groups = 1, .group_of = NULL, .max_norm = 0.0};
     int num_threads = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOO|$OOOOidiOOOd:norms", kwlist, &grads,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOO|$OOOOidiOOOdO:norms", kwlist, &grads,
                                      &params, &group_grad, &total_grad, &group_param,
                                      &total_param, &nonfinite, &group_of, &a.num_groups,
                                      &a.norm_type, &num_threads, &stream, &scratch, &coef,
-                                     &a.max_norm)) {
+                                     &a.max_norm, &result_dtype) ||
+        parse_result_dtype(result_dtype, &a.result_dtype) < 0) {
         return NULL;
     }
     py_batch b;

@@ -699,3 +699,58 @@ def test_errors_name_the_tensor_under_titanmac_debug(tmp_path):
                          check=True, cwd=tmp_path).stdout.strip()
     assert re.fullmatch(r"tm_\w+\.c:\d+: exp_avg_sq\[1\]: numel 12 does not match params\[1\] "
                         r"numel 11 \(param_groups\[1\]\['params'\]\[0\]\)", out), out
+
+
+# --------------------------------------------------------------- shapes through the C API
+
+_HP = [(0.9, 0.999, 1e-8, 0.0, False)]
+
+
+def _as(kind, t):
+    """t as the C core's intake gets it: a torch tensor (exchange table), a DLPack capsule, a
+    NumPy array (its __dlpack__: the protocol) sharing t's memory."""
+    if kind == "capsule":
+        return torch.utils.dlpack.to_dlpack(t)
+    if kind == "numpy":
+        return t.numpy()
+    return t
+
+
+@pytest.mark.parametrize("kind", ["torch", "capsule", "numpy"])
+@pytest.mark.parametrize("shapes, message", [
+    (((4, 6), (6, 4)), r"exp_avg\[0\]: shape \[6, 4\] does not match params\[0\] shape \[4, 6\]"),
+    (((4, 6), (24,)), r"exp_avg\[0\]: shape \[24\] does not match params\[0\] shape \[4, 6\]"),
+    (((4, 1, 6), (4, 6, 1)),
+     r"exp_avg\[0\]: shape \[4, 6, 1\] does not match params\[0\] shape \[4, 1, 6\]"),
+    (((), (1,)), r"exp_avg\[0\]: shape \[1\] does not match params\[0\] shape \[\]"),
+])
+def test_a_state_of_the_numel_but_not_the_shape_is_refused_by_the_c_core(kind, shapes, message):
+    """_C.adamw_step with exp_avg of the parameter's numel in another shape (size-1 dimensions
+    and 0-d tensors included), through each way a tensor comes in: ValueError naming both
+    shapes, nothing written. The same tensors reshaped to match step."""
+    p_shape, m_shape = shapes
+    torch.manual_seed(0)
+    p, g, v = torch.randn(p_shape), torch.randn(p_shape), torch.rand(p_shape)
+    m, step, lr = torch.randn(m_shape), torch.zeros(1), torch.full((1,), 0.1)
+    written = [p, m, v, step]
+    before = [t.clone() for t in written]
+    with pytest.raises(ValueError, match="^" + message + "$"):
+        _C.adamw_step([_as(kind, p)], [_as(kind, g)], [_as(kind, m)], [_as(kind, v)], [],
+                      [_as(kind, step)], lr, _HP)
+    for t, b in zip(written, before):
+        assert torch.equal(t, b)
+    _C.adamw_step([_as(kind, p)], [_as(kind, g)], [_as(kind, m.view(p_shape))], [_as(kind, v)],
+                  [], [_as(kind, step)], lr, _HP)
+    assert float(step) == 1.0 and not torch.equal(p, before[0])
+
+
+def test_a_gradient_of_another_shape_is_refused_by_the_c_core():
+    p, m, v = torch.randn(3, 4), torch.zeros(3, 4), torch.zeros(3, 4)
+    step, lr = torch.zeros(1), torch.full((1,), 0.1)
+    before = [t.clone() for t in (p, m, v, step)]
+    for g, shape in ((torch.randn(4, 3), r"\[4, 3\]"), (torch.randn(12), r"\[12\]")):
+        with pytest.raises(ValueError, match=rf"^grads\[0\]: shape {shape} does not match "
+                           r"params\[0\] shape \[3, 4\]$"):
+            _C.adamw_step([p], [g], [m], [v], [], [step], lr, _HP)
+    for t, b in zip((p, m, v, step), before):
+        assert torch.equal(t, b)

@@ -62,6 +62,27 @@ def _state_numel(args, kw):
     return ValueError, "momentum\\[1\\]\\[3\\]: numel 10 does not match params\\[3\\] numel 12"
 
 
+def _state_shape(args, kw):
+    # the numel of params[3] (12) in another shape: the state of another parameter, or of this
+    # one before `p.data = p.data.reshape(...)`; element k would no longer be element k's
+    args["momentum"][1][3] = torch.zeros(3, 4)
+    return ValueError, ("momentum\\[1\\]\\[3\\]: shape \\[3, 4\\] does not match params\\[3\\] "
+                        "shape \\[12\\]")
+
+
+def _grad_shape(args, kw):
+    args["grads"][1] = torch.randn(7, 1)
+    return ValueError, "grads\\[1\\]: shape \\[7, 1\\] does not match params\\[1\\] shape \\[7\\]"
+
+
+def _param_reshaped(args, kw):
+    # the parameter reshaped, its gradient with it, the state as it was made
+    args["params"][3] = args["params"][3].reshape(2, 6)
+    args["grads"][3] = args["grads"][3].reshape(2, 6)
+    return ValueError, ("momentum\\[0\\]\\[3\\]: shape \\[12\\] does not match params\\[3\\] "
+                        "shape \\[2, 6\\]")
+
+
 def _state_dtype(args, kw):
     args["ema"][0][1] = torch.zeros(7, dtype=torch.bfloat16)
     return ValueError, "ema\\[0\\]\\[1\\]: dtype bfloat16, CMS state must be float32"
@@ -213,10 +234,11 @@ KEYWORD_CASES = [
 ]
 
 
-CASES = [_state_numel, _state_dtype, _state_count, _grad_dtype, _steps_numel,
-         _weights_count, _weights_numel, _levels_mismatch, _too_many_levels, _group_of, _alias,
-         _params_overlap, _lr_dtype, _scratch, _scratch_in_a_state_tensor, _vsq_dtype,
-         _accumulated_empty, _alias_index0, _grads_alias_params] + KEYWORD_CASES
+CASES = [_state_numel, _state_shape, _grad_shape, _param_reshaped, _state_dtype, _state_count,
+         _grad_dtype, _steps_numel, _weights_count, _weights_numel, _levels_mismatch,
+         _too_many_levels, _group_of, _alias, _params_overlap, _lr_dtype, _scratch,
+         _scratch_in_a_state_tensor, _vsq_dtype, _accumulated_empty, _alias_index0,
+         _grads_alias_params] + KEYWORD_CASES
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.__name__[1:] for c in CASES])

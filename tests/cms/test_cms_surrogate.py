@@ -403,6 +403,18 @@ def _bad_momentum_numel(a, k):
     a["momentum"][1] = torch.zeros(299)
 
 
+def _momentum_of_another_shape(a, k):
+    a["momentum"][1] = torch.zeros(10, 30)
+
+
+def _output_of_another_shape(a, k):
+    a["outputs"][1] = torch.zeros(300, 1)
+
+
+def _weight_grad_transposed(a, k):
+    a["weight_grads"][0] = torch.zeros(a["weights"][0].shape[::-1])
+
+
 def _bad_output_dtype(a, k):
     a["outputs"][0] = torch.zeros(5, dtype=torch.float16)
 
@@ -446,6 +458,12 @@ def _bad_scale(a, k):
 @pytest.mark.parametrize("mutate,match", [
     (_bad_weight_count, r"weights: 5 tensors, the direct network \(layers = 2\) has 6"),
     (_bad_momentum_numel, r"momentum\[1\]: numel 299 does not match targets\[1\] numel 300"),
+    (_momentum_of_another_shape,
+     r"momentum\[1\]: shape \[10, 30\] does not match targets\[1\] shape \[300\]"),
+    (_output_of_another_shape,
+     r"outputs\[1\]: shape \[300, 1\] does not match targets\[1\] shape \[300\]"),
+    (_weight_grad_transposed,
+     r"weight_grads\[0\]: shape \[4, 20\] does not match weights\[0\] shape \[20, 4\]"),
     (_bad_output_dtype, r"outputs\[0\]: dtype float16, must be float32"),
     (_bad_weight_grad_numel, r"weight_grads\[2\]: numel 380 does not match weights\[2\]"),
     (_bad_losses, r"losses: expected float32 with 2 elements"),

@@ -119,8 +119,12 @@ def test_error_if_nonfinite_on_a_norm_only_the_gradients_dtype_overflows(device)
         opt.clip_grad_norm_(1.0, error_if_nonfinite=True)
     opt.step()  # unclipped: the first AdamW step moves each element by lr
     torch.testing.assert_close(ours.detach(), torch.full_like(ours, -0.1), rtol=1e-3, atol=0)
-    # without the flag the fp16 norm is returned (inf, as torch's) and the clip uses ours
-    assert math.isinf(titanmac_c.clip_grad_norm_([grads()], 1.0))
+    # without the flag the fp16 norm is returned (inf, as torch's) and clips by its
+    # coefficient, 0, as torch's (tests/norms_clip/test_clip_returned_norm.py)
+    ours, theirs = grads(), grads()
+    assert math.isinf(titanmac_c.clip_grad_norm_([ours], 1.0))
+    assert math.isinf(torch.nn.utils.clip_grad_norm_([theirs], 1.0))
+    assert torch.equal(ours.grad, theirs.grad) and not ours.grad.any()
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -137,6 +137,58 @@ def test_coefficient_from_the_norm_pass_equals_clip_coef(device, bad, max_norm, 
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("result_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("scale", [1.0, 3e4, math.nan])  # 3e4: past float16's 65504
+@pytest.mark.parametrize("max_norm", [0.5, 1e9, math.inf])
+def test_coefficient_of_the_norm_rounded_to_the_returned_dtype(device, result_dtype, scale,
+                                                               max_norm):
+    """tm_norms with result_dtype float16 or bfloat16 (the dtype the caller returns the norm in)
+    writes the float32 norm unrounded and the coefficient of the norm rounded to that dtype: bit
+    for bit what tm_clip_coef computes from the rounded norm given as a tensor of that dtype,
+    and the reference's coefficient of it (inf for a float16 norm past 65504: 0, or NaN for
+    max_norm = inf, as torch's)."""
+    torch.manual_seed(5)
+    grads = [torch.randn(n, device=device) * (1.0 if math.isnan(scale) else scale)
+             for n in SIZES[:4]]
+    if math.isnan(scale):
+        grads[2][1] = math.nan
+    out = torch.empty(3, device=device)
+    scratch = torch.empty(_C.norms_scratch_bytes(grads), dtype=torch.uint8, device=device)
+    name = str(result_dtype).removeprefix("torch.")
+    _C.norms(grads, None, out[0:1], out[1:2], coef=out[2:3], max_norm=max_norm, scratch=scratch,
+             result_dtype=name)
+    exact = torch.linalg.vector_norm(torch.cat([g.double().reshape(-1) for g in grads]))
+    torch.testing.assert_close(out[1].cpu(), exact.float().cpu(), rtol=0, atol=0, equal_nan=True)
+    returned = out[1:2].to(result_dtype)
+    separate = torch.empty(1, device=device)
+    _C.clip_coef(returned, max_norm, separate)
+    torch.testing.assert_close(out[2:3], separate, rtol=0, atol=0, equal_nan=True)
+    expected = _reference.clip_coef(returned[0].cpu(), max_norm)
+    torch.testing.assert_close(out[2].cpu(), expected, rtol=0, atol=0, equal_nan=True)
+    if scale == 3e4 and result_dtype == torch.float16:
+        assert math.isinf(float(returned)) and math.isfinite(float(out[1]))
+        assert (math.isnan if math.isinf(max_norm) else (0.0).__eq__)(float(out[2]))
+
+
+def test_result_dtype_and_clip_coef_arguments_are_checked():
+    """A bad result_dtype or clip_coef argument raises by name and writes nothing."""
+    grads = [torch.randn(5)]
+    out = torch.full((3,), 7.0)
+    with pytest.raises(ValueError, match="result_dtype = 'int8': expected float32, float16, "
+                       "bfloat16 or float64"):
+        _C.norms(grads, None, out[0:1], out[1:2], coef=out[2:3], result_dtype="int8")
+    with pytest.raises(TypeError, match="result_dtype: expected None or a dtype name, got "
+                       "torch.dtype"):
+        _C.norms(grads, None, out[0:1], out[1:2], coef=out[2:3], result_dtype=torch.float16)
+    with pytest.raises(ValueError, match="total_norm: expected 1 element, got float16 with 2"):
+        _C.clip_coef(torch.ones(2, dtype=torch.float16), 1.0, out[2:3])
+    with pytest.raises(ValueError, match="coef: expected float32 or float64 with 1 element, got "
+                       "float16 with 1"):
+        _C.clip_coef(torch.ones(1), 1.0, torch.ones(1, dtype=torch.float16))
+    assert torch.equal(out, torch.full((3,), 7.0))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_scale_follows_each_tensors_precision(device):
     """_C.scale_ with a float64 factor: a float64 tensor multiplied in double, a float32 and a
     bfloat16 one by the factor cast to float32 (torch casts the clip coefficient to each

@@ -99,12 +99,33 @@ def call_named(label, positions, fn, tensors, read_only=False):
         reraise_with_names(exc, [f"{label}[{i}]" for i in positions])
 
 
-def total_on_device(label, positions, tensors, norm_type, device, max_norm=None):
+# The dtypes in which a returned norm is rounded from the one the C core computes (float32): the
+# clip coefficient is computed from the norm so rounded, the one returned (coef_kwargs).
+_ROUNDED_NORM_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def coef_kwargs(max_norm, norm_dtype):
+    """_C.norms's arguments for a clip coefficient of max_norm computed from the total norm as
+    it is returned, in norm_dtype (the gradients' dtype): torch's clip_grad_norm_ computes its
+    coefficient from the norm in that dtype, so the norm returned and the scaling agree (a
+    float16 norm past 65504 is inf, which scales the gradients by 0, as torch's)."""
+    return dict(max_norm=max_norm, result_dtype=_ROUNDED_NORM_DTYPES.get(norm_dtype))
+
+
+def returned_norm(total, dtype):
+    """total (a norm the C core computed, float32 or float64) as it is returned: in dtype (the
+    gradients' dtype, as torch returns it), which the clip coefficient is then computed from."""
+    return total if dtype == total.dtype else total.to(dtype)
+
+
+def total_on_device(label, positions, tensors, norm_type, device, max_norm=None,
+                    norm_dtype=None):
     """[3] tensor: [0] the group output (unused), [1] the p-norm of tensors, [2] the clip
-    coefficient for max_norm (when given: written by the same call); float32, float64 when a
-    tensor is (compute_dtype_of)."""
+    coefficient for max_norm (when given: written by the same call, from the norm rounded to
+    norm_dtype, the dtype it is returned in); float32, float64 when a tensor is
+    (compute_dtype_of)."""
     out = torch.empty(3, dtype=compute_dtype_of(tensors), device=device)
-    clip = {} if max_norm is None else dict(coef=out[2:3], max_norm=max_norm)
+    clip = {} if max_norm is None else dict(coef=out[2:3], **coef_kwargs(max_norm, norm_dtype))
 
     def run(ts):
         _C.norms(ts, None, out[0:1], out[1:2], norm_type=norm_type,

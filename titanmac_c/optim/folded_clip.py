@@ -1,7 +1,8 @@
 """AdamW.clip_grad_norm_'s computation: the total norm of the optimizer's gradients and the clip
 coefficient min(1, max_norm / (norm + 1e-6)) that its next step() multiplies into each gradient
 as it loads it (the gradients themselves are not written, unless the coefficient can no longer
-serve them all: PendingClip.apply_to_kept_gradients)."""
+serve them all: PendingClip.apply_to_kept_gradients). The coefficient is that of the norm as
+returned (in the gradients' dtype), as torch's clip_grad_norm_ computes it."""
 
 import numbers
 import warnings
@@ -23,10 +24,12 @@ from .._internal.runtime import (
 from .._internal.norm_calls import (
     check_max_norm,
     check_norm_type,
+    coef_kwargs,
     local_norm,
     raise_if_nonfinite,
     real_views,
     result_dtype,
+    returned_norm,
     scale_grads,
     sharded_norms,
 )
@@ -176,20 +179,21 @@ def folded_clip(optimizer, max_norm, norm_type, error_if_nonfinite, total_norm):
         work = compute_dtype(torch.promote_types(work, total_norm.dtype))
         dtype = total_norm.dtype  # the result's, as the norm given
     total, coef = _norm_and_coef(optimizer, grads, sharded, total_norm, norm_type, max_norm,
-                                 work)
-    # in the gradients' dtype, as torch's clip_grad_norm_ returns it (the coefficient comes
-    # from the float32 norm, or the float64 one)
-    result = total[0] if dtype == total.dtype else total[0].to(dtype)
+                                 work, dtype)
+    # in the gradients' dtype, as torch's clip_grad_norm_ returns it, and the coefficient is
+    # that of this value (_norm_and_coef)
+    result = returned_norm(total[0], dtype)
     if error_if_nonfinite:  # the norm as returned: an fp16 one is inf where the float32 one
         raise_if_nonfinite(result, norm_type)  # is finite, and torch raises there
     return (result if mesh is None else replicated(mesh, result)), coef, planned
 
 
-def _norm_and_coef(optimizer, grads, sharded, total_norm, norm_type, max_norm, work):
+def _norm_and_coef(optimizer, grads, sharded, total_norm, norm_type, max_norm, work, dtype):
     """(the total norm, the clip coefficient), [1] tensors of dtype work on the gradients'
     device: over all ranks for DTensors (sharded), from total_norm when one is given, else from
     one pass over the gradients whose finishing step also writes the coefficient (one launch on
-    CUDA)."""
+    CUDA). The coefficient is that of the norm rounded to dtype, the one returned (a given
+    total_norm has that dtype already)."""
     device = grads[0].device
     buf = torch.empty(3, dtype=work, device=device)  # the norm, the coefficient, a group norm
     kwargs = exec_kwargs(device)
@@ -201,7 +205,8 @@ def _norm_and_coef(optimizer, grads, sharded, total_norm, norm_type, max_norm, w
     else:
         def run(ts):
             _C.norms(ts, None, buf[2:3], buf[0:1], norm_type=norm_type, coef=buf[1:2],
-                     max_norm=max_norm, scratch=norms_scratch(device, ts), **kwargs)
+                     scratch=norms_scratch(device, ts), **coef_kwargs(max_norm, dtype),
+                     **kwargs)
 
         with prof.step_range(prof.STATS):
             try:
@@ -210,5 +215,7 @@ def _norm_and_coef(optimizer, grads, sharded, total_norm, norm_type, max_norm, w
                 _raise_if_sparse(optimizer)
                 raise
         return buf[0:1], buf[1:2]
-    _C.clip_coef(total, max_norm, buf[1:2], stream=kwargs.get("stream"))
+    # a total_norm given holds the value returned (its dtype is the result's) already
+    returned = total if total_norm is not None else returned_norm(total, dtype)
+    _C.clip_coef(returned, max_norm, buf[1:2], stream=kwargs.get("stream"))
     return total, buf[1:2]
