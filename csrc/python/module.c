@@ -9,6 +9,7 @@
  *   TITANMAC_DLPACK   protocol: always use __dlpack__ (anything else: the exchange table when the
  *                     tensor's type offers one)
  */
+#include "py_call.h"
 #include "py_module.h"
 
 #include <stdlib.h>
@@ -89,6 +90,12 @@ static PyMethodDef module_methods[] = {
     {"dlpack_intake", KW(py_dlpack_intake),
      "dlpack_intake(obj=None)\n--\n\nThe intake mode ('exchange' or 'protocol'), or the path obj "
      "would take ('exchange', 'protocol' or 'capsule')."},
+    {"completed_calls", py_completed_calls_object, METH_NOARGS,
+     "completed_calls()\n--\n\nCalls this thread completed (ops that ran to TM_OK, callables "
+     "run by run_counted): read around a call to tell whether it wrote."},
+    {"run_counted", KW(py_run_counted),
+     "run_counted(fn, *args, **kwargs)\n--\n\nfn(*args, **kwargs), counted by completed_calls "
+     "when it returns."},
     {"_import", KW(py_import_info),
      "_import(obj, name='tensor')\n--\n\nImport obj as the ops do; describe the result (tests)."},
     {NULL, NULL, 0, NULL}};

@@ -219,6 +219,46 @@ py_setup_call(py_batch *b, const tm_tensor *dev, int num_threads, PyObject *stre
     return get_scratch(b, dev, scratch, need, sizer, c);
 }
 
+/* per thread: a call completed by another thread must not read as this thread's */
+static _Thread_local unsigned long long completed_calls;
+
+unsigned long long
+py_completed_calls(void)
+{
+    return completed_calls;
+}
+
+PyObject *
+py_completed_calls_object(PyObject *module, PyObject *unused)
+{
+    (void)module;
+    (void)unused;
+    return PyLong_FromUnsignedLongLong(completed_calls);
+}
+
+PyObject *
+py_run_counted(PyObject *module, PyObject *args, PyObject *kwargs)
+{
+    (void)module;
+    Py_ssize_t n = PyTuple_Size(args);
+    if (n < 1) {
+        PyErr_SetString(PyExc_TypeError, "run_counted(fn, *args, **kwargs): no fn");
+        return NULL;
+    }
+    PyObject *rest = PyTuple_GetSlice(args, 1, n);
+    if (rest == NULL) {
+        return NULL;
+    }
+    /* no Python code runs between fn's return and the count: a pending signal is raised only
+     * after this function returns */
+    PyObject *result = PyObject_Call(PyTuple_GetItem(args, 0), rest, kwargs);
+    Py_DECREF(rest);
+    if (result != NULL) {
+        completed_calls++;
+    }
+    return result;
+}
+
 PyObject *
 py_finish(py_batch *b, py_call *c, int ran, tm_status status)
 {
@@ -230,5 +270,6 @@ py_finish(py_batch *b, py_call *c, int ran, tm_status status)
     if (status != TM_OK) {
         return py_raise_status(b->st, status);
     }
+    completed_calls++;
     Py_RETURN_NONE;
 }

@@ -30,8 +30,21 @@ int py_setup_call(py_batch *b, const tm_tensor *dev, int num_threads, PyObject *
 
 /* Common exit of a wrapper: release the imports (deleters run here), free scratch; then NULL when
  * the op did not run (!ran: exception already set), the mapped exception when status != TM_OK,
- * else None. */
+ * else None, counting the call as completed (py_completed_calls). */
 PyObject *py_finish(py_batch *b, py_call *c, int ran, tm_status status);
+
+/* Calls this thread completed: ops that returned TM_OK, and callables run by py_run_counted.
+ * Python reads it around a call that writes to tell, when an exception (a KeyboardInterrupt)
+ * surfaces, whether the call wrote: a signal that arrives during a C call is raised as it
+ * returns, after its writes, at the same place as one raised before them. */
+unsigned long long py_completed_calls(void);
+
+/* _C.run_counted(fn, *args, **kwargs): fn(*args, **kwargs), counted as completed when it
+ * returns (a CUDA graph's replay, which runs no op of ours). */
+PyObject *py_run_counted(PyObject *module, PyObject *args, PyObject *kwargs);
+
+/* _C.completed_calls(): py_completed_calls() as an int. */
+PyObject *py_completed_calls_object(PyObject *module, PyObject *unused);
 
 /* Set the exception for a failed tm_* call (message: tm_last_error()); returns NULL. */
 PyObject *py_raise_status(py_state *st, tm_status status);

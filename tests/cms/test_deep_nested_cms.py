@@ -473,7 +473,7 @@ def test_state_keeps_2k_plus_1_buffers_and_checkpoints_keep_the_reference_layout
 
 @pytest.mark.parametrize("fixes", [False, True])
 def test_graph_mode_step_logic_with_simulated_replays(monkeypatch, fixes):
-    """CUDA-graph mode's step logic on the CPU: GraphState._replay replaced by one that keeps the
+    """CUDA-graph mode's step logic on the CPU: GraphState._graph_of replaced by one that keeps the
     calls of a kind of step the first time (as a capture freezes the Python values it saw, t
     among them) and runs those on every replay. Covers the kinds of step and their keys, the
     two-graph Phase 1 step (statistics and control, Phase 1 eagerly, then Phase 2), static
@@ -484,13 +484,13 @@ def test_graph_mode_step_logic_with_simulated_replays(monkeypatch, fixes):
 
     replayed = []
 
-    def replay(self, key, calls):
+    def graph_of(self, key, calls):
         kept = self.graphs.setdefault(key, calls)
         self.captured = True
         replayed.append(key)
-        kept()
+        return kept
 
-    monkeypatch.setattr(GraphState, "_replay", replay)
+    monkeypatch.setattr(GraphState, "_graph_of", graph_of)
     runs = []
     batches = synthetic_batches("mlp", 16, seed=5)
     for graph in (False, True):
@@ -555,21 +555,24 @@ def test_graph_replays_see_the_numbers_of_their_step(monkeypatch, mode):
     captures = []
     owners = {}  # GraphState -> its optimizer
 
-    def replay(self, key, calls):
+    def graph_of(self, key, calls):
         opt = owners[self]
         if key not in self.graphs:
             self.graphs[key] = (calls, copy.deepcopy(_host_numbers(opt)))
             captures.append(key)
         kept, frozen = self.graphs[key]
-        live = _host_numbers(opt)
-        _set_host_numbers(opt, frozen)
-        try:
-            kept()
-        finally:
-            _set_host_numbers(opt, live)
         self.captured = True
 
-    monkeypatch.setattr(GraphState, "_replay", replay)
+        def replay():
+            live = _host_numbers(opt)
+            _set_host_numbers(opt, frozen)
+            try:
+                kept()
+            finally:
+                _set_host_numbers(opt, live)
+        return replay
+
+    monkeypatch.setattr(GraphState, "_graph_of", graph_of)
     cms = mode != "adamw"
     changes = {6: lambda opt: setattr(opt, "max_grad_norm", 0.05),
                9: lambda opt: setattr(opt, "base_lr", opt.base_lr * 0.5)}
@@ -642,13 +645,13 @@ def test_graph_mode_binds_the_gradients_of_the_parameters_it_steps(monkeypatch):
 
     replayed, now = [], [0]
 
-    def replay(self, key, calls):
+    def graph_of(self, key, calls):
         kept = self.graphs.setdefault(key, calls)
         self.captured = True
         replayed.append(now[0])
-        kept()
+        return kept
 
-    monkeypatch.setattr(GraphState, "_replay", replay)
+    monkeypatch.setattr(GraphState, "_graph_of", graph_of)
     batches = synthetic_batches("mlp", 14, seed=21)
     runs = []
     for graph in (False, True):

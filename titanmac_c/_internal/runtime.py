@@ -92,6 +92,24 @@ def before_write(*lists):
                     t.copy_(t)
 
 
+def run_to_completion(fn, tries=8):
+    """fn() (which does no harm when run again), run again when a KeyboardInterrupt or another
+    BaseException that is not an Exception stops it, so that work which must follow a write (a
+    step's bookkeeping after the C core wrote) is never left half done; the first such exception
+    is raised once fn has completed. An Exception from fn propagates at once."""
+    pending = None
+    for _ in range(tries):
+        try:
+            fn()
+            break
+        except Exception:
+            raise
+        except BaseException as exc:  # noqa: B036 (re-raised below)
+            pending = pending or exc
+    if pending is not None:
+        raise pending
+
+
 _DENSE_ORDERS = {}  # (shape, strides) -> dense_order's answer: a model has few layouts
 _DENSE_ORDERS_KEPT = 4096
 
@@ -313,5 +331,6 @@ def compute_dtype(dtype):
 
 
 __all__ = ["before_write", "exec_kwargs", "mark_written", "norms_scratch", "Scratch",
-           "reraise_with_names", "as_number", "is_one_number", "float_in_range", "compute_dtype",
-           "real_view", "memory_real_view", "COMPLEX_DTYPES", "_C"]
+           "reraise_with_names", "run_to_completion", "as_number", "is_one_number",
+           "float_in_range", "compute_dtype", "real_view", "memory_real_view", "COMPLEX_DTYPES",
+           "_C"]

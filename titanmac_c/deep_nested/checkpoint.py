@@ -13,10 +13,9 @@ import torch
 
 from .cms_state import check_dense_float
 from .args import as_int
-from .nets import N_GROUPS
+from .nets import META_HISTORIES, N_GROUPS
 from .._internal.runtime import as_number, is_one_number
 
-_META_HISTORIES = ("loss_history", "multiplier_history", "momentum_history")
 _COMPILED_PREFIX = "_orig_mod."  # torch.compile's wrapper names the wrapped module so
 
 
@@ -52,15 +51,15 @@ def _checked_meta_histories(meta, window, device):
     """state_dict['meta_trainer'] as SimplifiedMetaTrainer's three lists (the last `window`
     entries, the most it keeps), new objects on `device`; ValueError if it does not fit."""
     if not isinstance(meta, dict) or any(
-            not isinstance(meta.get(name), (list, tuple)) for name in _META_HISTORIES):
+            not isinstance(meta.get(name), (list, tuple)) for name in META_HISTORIES):
         raise ValueError(f"state_dict['meta_trainer']: expected a dict of the lists "
-                         f"{list(_META_HISTORIES)}")
-    lengths = {len(meta[name]) for name in _META_HISTORIES}
+                         f"{list(META_HISTORIES)}")
+    lengths = {len(meta[name]) for name in META_HISTORIES}
     if len(lengths) != 1:
         raise ValueError(f"state_dict['meta_trainer']: its lists differ in length "
-                         f"({[len(meta[name]) for name in _META_HISTORIES]})")
+                         f"({[len(meta[name]) for name in META_HISTORIES]})")
     out = {}
-    for name in _META_HISTORIES:
+    for name in META_HISTORIES:
         values = list(meta[name])[max(0, len(meta[name]) - window):]
         for j, value in enumerate(values):
             where = f"state_dict['meta_trainer'][{name!r}][{j}]"
@@ -107,7 +106,7 @@ def module_state(module, use_compile):
 
 def meta_histories(meta_trainer):
     """The meta trainer's histories as a checkpoint keeps them (lists of the live entries)."""
-    return {name: list(getattr(meta_trainer, name)) for name in _META_HISTORIES}
+    return {name: list(getattr(meta_trainer, name)) for name in META_HISTORIES}
 
 
 class CheckedCheckpoint:

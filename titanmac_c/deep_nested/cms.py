@@ -30,6 +30,7 @@ from .nets import (
 from .._internal.runtime import (Scratch, before_write, dense_order, exec_kwargs, in_layout_of,
                                 mark_written)
 from .surrogate import SurrogatePlan, surrogate_gradient
+from .undo import training_undo
 
 PHASE1_PLANS_KEPT = 4  # Phase 1 layouts whose SurrogatePlan is kept (CUDA's way)
 
@@ -154,20 +155,12 @@ class CMSMode:
         Adam state, the output history. Copies made every Phase 1 step: the weights and Adam
         state are small; the history holds at most SURROGATE_MAX_TENSORS tensors, in float32,
         a fraction of what the per-element MLP itself computes over them."""
-        mlp, adam = step.momentum_mlp, step.mlp_optimizer
-        weights = [(w, w.detach().clone(), w.grad) for w in mlp.parameters()]
-        adam_state = {p: {k: v.clone() if isinstance(v, torch.Tensor) else v
-                          for k, v in entry.items()} for p, entry in adam.state.items()}
+        undo_training = training_undo(step.momentum_mlp.parameters(), step.mlp_optimizer)
         history = {i: t.clone() for i, t in self.output_history.items()}
         last_loss = self.last_surrogate_loss
 
         def undo():
-            with torch.no_grad():
-                for w, value, grad in weights:
-                    w.copy_(value)
-                    w.grad = grad
-            adam.state.clear()
-            adam.state.update(adam_state)
+            undo_training()
             self.output_history = history
             self.last_surrogate_loss = last_loss
         return undo

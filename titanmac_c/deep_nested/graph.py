@@ -22,7 +22,7 @@ import torch
 
 from .. import _C
 from .._internal import profiling as prof
-from .._internal.runtime import before_write, mark_written
+from .._internal.runtime import before_write, mark_written, run_to_completion
 from ..optim.adamw import adamw_step, group_hyperparameters
 from ..optim.batching import lay_out_state
 from .args import check_float, check_rate_range
@@ -34,6 +34,8 @@ class GraphState:
     and replayed; the gradients live in static buffers (zero_grad zeroes them in place, and a
     gradient that was reallocated anyway is copied in), the learning rate scale is a device
     tensor, and a reload re-captures."""
+
+    update_mark = None  # (a class default for objects pickled before it existed)
 
     def __init__(self, device, params, weights, control, cms, warmup):
         self.device = device
@@ -61,6 +63,7 @@ class GraphState:
         self.static_grads = None
         self.bound_params = []  # the parameters static_grads belong to, in order
         self.captured = False
+        self.update_mark = None  # completed_calls() before this step's update replay
         self.addresses = None  # see _addresses
         self.host_values = None  # see _host_values
 
@@ -150,22 +153,29 @@ class GraphState:
         before_write(*written)
         fires = None if cms is None else tuple(cms.state.fires(t))
         update = step.update
-        if cms is not None and cms.phase1_due(step):
-            self._replay(("head", update), lambda: self._captured_head(step))
-            try:
-                cms.phase1(step)
-                self._replay(("tail", fires), lambda: self._captured_tail(step))
-            except BaseException:  # an interrupt too
-                self.control.undo()
-                if cms.phase1_undo is not None:
-                    cms.phase1_undo()  # refused after the control op ran: the step did not happen
-                raise
-        else:
-            self._replay((update, fires), lambda: (self._captured_head(step),
-                                                   self._captured_tail(step)))
-        # a replay writes what the eager step's calls mark (parameters; gradients zeroed on a
-        # skip in AdamW mode)
-        mark_written(*written)
+        try:
+            if cms is not None and cms.phase1_due(step):
+                head_mark = _C.completed_calls()
+                try:
+                    self._replay(("head", update), lambda: self._captured_head(step))
+                    cms.phase1(step)
+                    self._replay(("tail", fires), lambda: self._captured_tail(step),
+                                 update=True)
+                except BaseException:  # a refusal, or an interrupt before the tail wrote
+                    if not self.updated:  # the step did not happen
+                        if _C.completed_calls() != head_mark:  # the head's control op ran
+                            self.control.undo()
+                        if cms.phase1_undo is not None:
+                            cms.phase1_undo()
+                    raise
+            else:
+                self._replay((update, fires), lambda: (self._captured_head(step),
+                                                       self._captured_tail(step)), update=True)
+        finally:
+            # a replay writes what the eager step's calls mark (parameters; gradients zeroed
+            # on a skip in AdamW mode)
+            if self.updated:
+                run_to_completion(lambda: mark_written(*written))
         return True
 
     def _lay_out_state(self, params):
@@ -182,17 +192,34 @@ class GraphState:
             if isinstance(entries, dict):
                 lay_out_state(entries, p)
 
-    def _replay(self, key, calls):
-        """Replay the graph of this kind of step, captured from calls() the first time."""
+    def _replay(self, key, calls, update=False):
+        """Replay the graph of this kind of step, captured from calls() the first time. update:
+        the replay writes the parameters: `updated` holds once it ran, also when an exception (a
+        KeyboardInterrupt surfacing as it returns) follows."""
         with prof.step_range(prof.GRAPH):
-            graph = self.graphs.get(key)
-            if graph is None:
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    calls()
-                self.graphs[key] = graph
-                self.captured = True
-            graph.replay()  # capture records without running: replay at once (avoids B8)
+            run = self._graph_of(key, calls)
+            # capture records without running: replay at once (avoids B8), counted so that an
+            # exception tells whether it ran
+            if update:
+                self.update_mark = _C.completed_calls()
+            _C.run_counted(run)
+
+    def _graph_of(self, key, calls):
+        """The replay of the graph of this kind of step, captured from calls() the first
+        time."""
+        graph = self.graphs.get(key)
+        if graph is None:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                calls()
+            self.graphs[key] = graph
+            self.captured = True
+        return graph.replay
+
+    @property
+    def updated(self):
+        """This step's update replay ran (the optimizer resets update_mark each step)."""
+        return self.update_mark is not None and _C.completed_calls() != self.update_mark
 
     def _captured_head(self, step):
         """The statistics and the control op: learning rates, clip coefficient, skip flag."""

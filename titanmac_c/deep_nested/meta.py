@@ -7,7 +7,8 @@ loads them). The momentum network's proxy loss is CMS mode's (cms.py)."""
 import torch
 
 from .._internal.grad_mark import GradientMark
-from .nets import EXPLICIT_META_ROWS, META_GRAD_CLIP, fused_clip_grad_norm_
+from .nets import EXPLICIT_META_ROWS, META_GRAD_CLIP, META_HISTORIES, fused_clip_grad_norm_
+from .undo import training_undo
 
 CURRENT = object()  # _update_meta_components' default: the current gradients' clip
 
@@ -43,10 +44,27 @@ def meta_step(control, cms, loss_value, grad_scale, step, meta_trainer, meta_opt
     losses. The mean momentum norm is 0 in AdamW mode (cms None) and the MLP proxy loss is 0
     there (every sampled tensor's level-0 EMA is zero in the reference), so only the controller
     learns. grad_scale: the clip coefficient the gradients carry, or None. step: StepInputs
-    (t is the global step). Returns (the total meta loss, detached; the meta gradient norm)."""
+    (t is the global step). Returns (the total meta loss, detached; the meta gradient norm).
+    An exception that stops it leaves the networks, their Adam state and the meta trainer's
+    histories as they were."""
     norms = cms.momentum_norms() if cms is not None else []
     momentum_norm = torch.stack(norms).mean().item() if norms else 0.0
     loss_value = host_float(loss_value)
+    meta_params = list(step.momentum_mlp.parameters()) + list(step.controller.parameters())
+    undo_training = training_undo(meta_params, meta_optimizer)
+    histories = {name: list(getattr(meta_trainer, name)) for name in META_HISTORIES}
+    try:
+        return _meta_step(control, cms, loss_value, grad_scale, step, meta_trainer,
+                          meta_optimizer, momentum_norm, meta_params)
+    except BaseException:  # an interrupt, or an exception from torch's optimizer hooks
+        undo_training()
+        for name, values in histories.items():
+            setattr(meta_trainer, name, values)
+        raise
+
+
+def _meta_step(control, cms, loss_value, grad_scale, step, meta_trainer, meta_optimizer,
+               momentum_norm, meta_params):
     meta_trainer.record_step(loss_value, control.lr_multipliers.clone(), momentum_norm)
     stats = control.group_stats(grad_scale)
     with torch.enable_grad():
@@ -68,7 +86,6 @@ def meta_step(control, cms, loss_value, grad_scale, step, meta_trainer, meta_opt
             mlp_loss = torch.zeros((), device=control.device, requires_grad=True)
         total = controller_loss + mlp_loss
         total.backward()
-    meta_params = list(step.momentum_mlp.parameters()) + list(step.controller.parameters())
     grad_norm = fused_clip_grad_norm_(meta_params, META_GRAD_CLIP, inplace=True)
     meta_optimizer.step()
     return total.detach(), grad_norm

@@ -312,6 +312,10 @@ class L2RegressionMomentum(nn.Module):
 # ---------------------------------------------------------------------------------------------
 # §9.1 SimplifiedMetaTrainer, §9.4 UnrolledMetaTrainer
 # ---------------------------------------------------------------------------------------------
+# the SimplifiedMetaTrainer lists that steer its proxy loss (checkpointed, undone with a meta step)
+META_HISTORIES = ("loss_history", "multiplier_history", "momentum_history")
+
+
 class SimplifiedMetaTrainer:
     """FIFO histories (one entry per meta-update call), window = meta_update_freq."""
 

@@ -46,9 +46,10 @@ import warnings
 
 import torch
 
+from .. import _C
 from .._internal import profiling as prof
 from .._internal.norm_calls import real_views, scale_grads
-from .._internal.runtime import as_number, eager_only
+from .._internal.runtime import as_number, eager_only, run_to_completion
 from .._internal.step_hooks import has_step_hooks, tell_schedulers_stepped, with_step_hooks
 from ..optim.adamw import AdamW, adamw_step
 from .args import (
@@ -222,6 +223,7 @@ class DeepNestedOptimizer(torch.optim.Optimizer):
         self._clip_mark = None  # see meta.mark_clipped_gradients
         self._clipped_in_place = False  # this step clipped the gradients in memory (hooks)
         self._updated = False  # this step's update has run
+        self._update_mark = None  # completed_calls() before it (_counted_update)
         self.meta_trainer = SimplifiedMetaTrainer(window_size=self.meta_update_freq,
                                                   improvement_threshold=IMPROVEMENT_THRESHOLD)
         self.unrolled_trainer = UnrolledMetaTrainer(k_steps=self.k_unroll,
@@ -277,6 +279,7 @@ class DeepNestedOptimizer(torch.optim.Optimizer):
     def __setstate__(self, state):
         # a pickle of 0.2.0, whose base_lr was an attribute beside the groups
         base_lr = state.pop("base_lr", None)
+        state.setdefault("_update_mark", None)
         state.setdefault("defaults", state["base_optimizer"].defaults)
         torch.optim.Optimizer.__setstate__(self, state)
         if base_lr is not None:
@@ -383,37 +386,8 @@ class DeepNestedOptimizer(torch.optim.Optimizer):
                                           or not self._graph.captured)
             return {"global_step": t, "lr_multipliers": control.lr_multipliers.tolist(),
                     "skipped": True, "reason": "nan_loss"}
-        with torch.no_grad():
-            if isinstance(loss, torch.Tensor):  # one that cannot be read raises: no step yet
-                control.loss.copy_(loss_in_float32_range(loss.detach().reshape(1)))
-            else:  # a finite float beyond float32's range: its largest value, as a step goes on
-                control.loss.fill_(loss_in_float32_range(loss))
-            self._updated = False  # whether this step's update ran (a post-hook may raise after)
-            try:
-                self.global_step = t
-                step = self._inputs(t, t % self.controller_update_freq == 0 or t == 1, base_lr)
-                self._clipped_in_place = False
-                with prof.step_range(prof.STEP):
-                    if self._graph is None or not self._graph.step(step):
-                        self._eager_step(step, isinstance(loss, torch.Tensor))
-            except BaseException as err:
-                if self._updated:
-                    raise
-                # Raised before the update wrote anything (a tensor the C core refuses, by name;
-                # a hook's or a __dlpack__'s exception; a KeyboardInterrupt): the control op's
-                # outputs and Phase 1 are undone, and the step did not happen.
-                self.global_step = t - 1
-                if isinstance(err, Exception):
-                    self._params.raise_if_sparse()
-                raise
-        # gradients clipped in memory (step hooks) carry no pending coefficient
-        self._clip_mark = None if self._clipped_in_place else mark_clipped_gradients(
-            self.max_grad_norm, self.base_optimizer.param_groups)
-        if self._cms is None:
-            # the reference's AdamW mode steps through base_optimizer.step(), which a torch LR
-            # scheduler attached to it watches (else it warns "lr_scheduler.step() before
-            # optimizer.step()"); ours calls the fused step directly, so it says so itself
-            tell_schedulers_stepped(self.base_optimizer)
+        self._take_step(t, loss, base_lr)
+        run_to_completion(self._after_update)
         if self.mode == "simple" and t % self.meta_update_freq == 0:
             # Host logic every meta_update_freq steps; a step the guard skipped gets no meta update,
             # as in the reference, whose skip returns before it.
@@ -429,6 +403,51 @@ class DeepNestedOptimizer(torch.optim.Optimizer):
             result["surrogate_loss"] = surrogate_loss  # stale after its step, as the reference's
         return result
 
+    @torch.no_grad()  # as a decorator: its exit runs whatever line an exception leaves
+    def _take_step(self, t, loss, base_lr):
+        """The step's writes: global_step, the statistics, control op and update (eager or
+        replayed), undone as a whole when something stops them before the update wrote."""
+        control = self._control
+        if isinstance(loss, torch.Tensor):  # one that cannot be read raises: no step yet
+            control.loss.copy_(loss_in_float32_range(loss.detach().reshape(1)))
+        else:  # a finite float beyond float32's range: its largest value, as a step goes on
+            control.loss.fill_(loss_in_float32_range(loss))
+        self._updated = False  # whether this step's update ran (a post-hook may raise after)
+        self._update_mark = None  # _counted_update's
+        if self._graph is not None:
+            self._graph.update_mark = None
+        try:
+            self.global_step = t
+            step = self._inputs(t, t % self.controller_update_freq == 0 or t == 1, base_lr)
+            self._clipped_in_place = False
+            with prof.step_range(prof.STEP):
+                if self._graph is None or not self._graph.step(step):
+                    self._eager_step(step, isinstance(loss, torch.Tensor))
+        except BaseException as err:
+            if self._update_wrote():
+                # the update wrote (an interrupt surfaced after it): the step is taken, with
+                # its bookkeeping; this step's meta-update does not run
+                run_to_completion(self._after_update)
+                raise
+            # Raised before the update wrote anything (a tensor the C core refuses, by name;
+            # a hook's or a __dlpack__'s exception; a KeyboardInterrupt): the control op's
+            # outputs and Phase 1 are undone, and the step did not happen.
+            self.global_step = t - 1
+            if isinstance(err, Exception):
+                self._params.raise_if_sparse()
+            raise
+
+    def _after_update(self):
+        """What follows a step's update (run again if interrupted: it must not be half done)."""
+        # gradients clipped in memory (step hooks) carry no pending coefficient
+        self._clip_mark = None if self._clipped_in_place else mark_clipped_gradients(
+            self.max_grad_norm, self.base_optimizer.param_groups)
+        if self._cms is None:
+            # the reference's AdamW mode steps through base_optimizer.step(), which a torch LR
+            # scheduler attached to it watches (else it warns "lr_scheduler.step() before
+            # optimizer.step()"); ours calls the fused step directly, so it says so itself
+            tell_schedulers_stepped(self.base_optimizer)
+
     def _take_loss(self, loss_value):
         loss = loss_value if loss_value is not None else self._stored_loss
         self._stored_loss = None
@@ -443,31 +462,50 @@ class DeepNestedOptimizer(torch.optim.Optimizer):
         control = self._control
         with prof.step_range(prof.STATS):
             planned_grads = control.run_norms(step.update)
-        with prof.step_range(prof.CONTROLLER):
-            control.control(step.t, step.update, check_loss, step.controller, step.base_lr,
-                            step.max_grad_norm)
+        # From here every call of the C core is counted (completed_calls): an exception tells
+        # by the count whether the control op, and then the update, wrote before it.
+        calls = _C.completed_calls()
         try:
+            with prof.step_range(prof.CONTROLLER):
+                control.control(step.t, step.update, check_loss, step.controller, step.base_lr,
+                                step.max_grad_norm)
             if self._cms_mode is not None:
                 self._cms_mode.phase1(step)
                 with prof.step_range(prof.CMS):
-                    self._cms_mode.phase2(step)
+                    self._counted_update(lambda: self._cms_mode.phase2(step))
             else:
                 with prof.step_range(prof.UPDATE):
                     if has_step_hooks(self.base_optimizer):
                         self._adamw_update_with_hooks()
                     else:
-                        adamw_step(self.base_optimizer, lr=control.lr, grad_scale=control.coef,
-                                   skip=control.skipped, zero_grads_on_skip=True,
-                                   planned_grads=planned_grads)
+                        self._counted_update(lambda: adamw_step(
+                            self.base_optimizer, lr=control.lr, grad_scale=control.coef,
+                            skip=control.skipped, zero_grads_on_skip=True,
+                            planned_grads=planned_grads))
         except BaseException as err:  # a refusal, a malformed state entry, an interrupt
-            if not self._updated:
-                control.undo()
+            if not self._update_wrote():
+                if _C.completed_calls() != calls:  # the control op ran
+                    control.undo()
                 if self._cms_mode is not None and self._cms_mode.phase1_undo is not None:
                     self._cms_mode.phase1_undo()
             if isinstance(err, Exception):
                 self._params.name_group_positions(err)
             raise
         self._updated = True
+
+    def _counted_update(self, update):
+        """update() (the call that writes the parameters), counted: once a call of the C core
+        completes after this mark, the step's update wrote (see _update_wrote), also when an
+        exception (a KeyboardInterrupt surfacing as the call returns) follows."""
+        self._update_mark = _C.completed_calls()
+        update()
+
+    def _update_wrote(self):
+        """Whether this step's update wrote: set once it returned, else told by the count of
+        completed calls since its mark, read when an exception stopped the step."""
+        if self._updated or self._graph is not None and self._graph.updated:
+            return True
+        return self._update_mark is not None and _C.completed_calls() != self._update_mark
 
     def _adamw_update_with_hooks(self):
         """The update when step hooks hang on base_optimizer (its own or torch's global ones):
@@ -480,7 +518,8 @@ class DeepNestedOptimizer(torch.optim.Optimizer):
         base = self.base_optimizer
         control = self._control
         if float(self.skipped) != 0.0:
-            adamw_step(base, lr=control.lr, skip=control.skipped, zero_grads_on_skip=True)
+            self._counted_update(lambda: adamw_step(base, lr=control.lr, skip=control.skipped,
+                                                    zero_grads_on_skip=True))
             return
         if self.max_grad_norm > 0:
             grads, params = self._params.gather(with_params=True)[:2]
@@ -498,8 +537,7 @@ class DeepNestedOptimizer(torch.optim.Optimizer):
             group["lr"] = base_lr * mu
 
         def update():  # by the groups' lr, as a pre-hook leaves them
-            adamw_step(base)
-            self._updated = True
+            self._counted_update(lambda: adamw_step(base))
 
         try:
             with_step_hooks(base, update)

@@ -13,7 +13,7 @@ from torch.optim import Optimizer
 
 from .. import _C
 from .._internal import profiling as prof
-from .hparams import Hyperparameters, scalar
+from .hparams import Hyperparameters
 from .state import CommittedNewState, check_loaded_state, init_state, normalize_steps
 from .amp import AmpScaling
 from .._internal.distributed import dtensor_type
@@ -31,6 +31,7 @@ from .._internal.runtime import (
     exec_kwargs,
     mark_written,
     reraise_with_names,
+    run_to_completion,
 )
 
 
@@ -130,6 +131,8 @@ class AdamW(Optimizer):
     def _init_caches(self):
         self._scratch = Scratch()
         self._scratch_bytes = {}  # (device, amsgrad, count) -> bytes the C core asked for
+        # (the bookkeeping of the C call in progress, completed_calls() before it): see _run
+        self._pending_finish = None
         self._hparams = Hyperparameters()  # the groups' values as each step hands them over
         self._pending_clip = PendingClip()  # clip_grad_norm_'s coefficient for the next step()
         self._plan = None  # batching.Plan of the last full step, when it can be reused
@@ -259,8 +262,22 @@ class AdamW(Optimizer):
         on the device. amp: the AmpScaling of a GradScaler's step, or None. planned_grads: the
         gradients _planned_flat returned to the caller within this step (nothing between could
         have replaced one), so the plan need not read them again."""
-        with prof.step_range(prof.UPDATE):
-            self._fused_step_impl(lr, grad_scale, skip, zero_grads_on_skip, amp, planned_grads)
+        self._pending_finish = None
+        try:
+            with prof.step_range(prof.UPDATE):
+                self._fused_step_impl(lr, grad_scale, skip, zero_grads_on_skip, amp,
+                                      planned_grads)
+        except BaseException:
+            self._finish_pending()
+            raise
+        self._pending_finish = None  # (holds the step's tensors)
+
+    def _finish_pending(self):
+        """After an interrupt: the bookkeeping of a C call that completed (it may surface as the
+        call returns, or stop the bookkeeping half way), done now."""
+        pending, self._pending_finish = self._pending_finish, None
+        if pending is not None and _C.completed_calls() != pending[1]:
+            run_to_completion(pending[0])
 
     def _fused_step_impl(self, lr, grad_scale, skip, zero_grads_on_skip, amp, planned_grads):
         marked = None  # the gradients the clip coefficient is for, as read now
@@ -285,17 +302,37 @@ class AdamW(Optimizer):
                 batch.check_grads_storable()
         self._pending_clip.keep_to([p for batch in batches for p in batch.owners])
         committed = CommittedNewState(self.state, new_state)
-        for batch in batches:
-            try:
-                self._run_batch(batch, groups, lrs, *args)
-            except Exception:  # refused before any write (an interrupt keeps the new state:
-                # it may arrive after the call wrote, see CommittedNewState)
-                committed.take_back(batch, batches)
+        start = _C.completed_calls()  # each batch's call completed counts one
+
+        def run_batches():
+            while (done := _C.completed_calls() - start) < len(batches):
+                self._run_batch(batches[done], groups, lrs, *args)
+
+        try:
+            committed.commit()
+            run_batches()
+            self._pending_clip.clear()
+            n_params = sum(len(g["params"]) for g in self.param_groups)
+            if (len(batches) == 1 and len(batches[0].params) == n_params
+                    and not batches[0].no_plan):
+                self._plan = Plan(self, batches[0])
+        except Exception:  # refused before any write (the prechecks refuse a later call's
+            # tensors before the first call)
+            committed.take_back(batches[_C.completed_calls() - start], batches)
+            raise
+        except BaseException:
+            self._finish_pending()
+            done = _C.completed_calls() - start
+            # An interrupt (a KeyboardInterrupt, also one surfacing as a call returns: the count
+            # of completed calls tells). Before any write the step did not happen; once a call
+            # wrote, the step is completed, so no device is left a step behind the others, and
+            # the clip coefficient is spent.
+            if not done:
+                committed.take_back(batches[0], batches)
                 raise
-        self._pending_clip.clear()
-        n_params = sum(len(g["params"]) for g in self.param_groups)
-        if len(batches) == 1 and len(batches[0].params) == n_params and not batches[0].no_plan:
-            self._plan = Plan(self, batches[0])
+            run_to_completion(run_batches)
+            self._pending_clip.clear()
+            raise
 
     def _run_batch(self, batch, groups, lrs, lr, grad_scale, skip, zero_grads_on_skip, amp):
         if lr is None:
@@ -340,6 +377,7 @@ class AdamW(Optimizer):
         if grads is None:
             return False
         self._pending_clip.keep_to(plan.owners)
+        calls = _C.completed_calls()
         try:
             batch = plan.refresh(grads)
             if batch is None:
@@ -349,6 +387,11 @@ class AdamW(Optimizer):
             self._run_batch(batch, groups, lrs, lr, grad_scale, skip, zero_grads_on_skip, amp)
         except (ValueError, TypeError, BufferError, RuntimeError, KeyError):
             return False  # validated before any write: the full path repeats it with names
+        except BaseException:  # an interrupt: after the call's write, the step is taken
+            if _C.completed_calls() != calls:
+                self._pending_clip.clear()
+                self._plan = plan
+            raise
         finally:
             plan.batch.release()
         self._pending_clip.clear()
@@ -416,25 +459,32 @@ class AdamW(Optimizer):
         written = (batch.params, batch.wrappers,
                    batch.grads if zero_grads_on_skip or loss_scale is not None else ())
         before_write(*written)
+
+        def finish():  # after the write; run again if interrupted, so it is all done
+            batch.store_params()
+            if loss_scale is not None:
+                # a gradient taken as a copy in its parameter's layout: the copy holds what the
+                # C core stored (unscaled, or the scaled values of a skipped step). Inference
+                # mode: an inference tensor's gradient takes the write too, as the C core's.
+                with torch.inference_mode():
+                    for _, grad, copy in batch.grad_copies:
+                        grad.copy_(copy)
+            mark_written(*written)
+
+        # an interrupt once the call completed (it may surface as the call returns) finishes
+        # this in _fused_step: the parameters get what their state says
+        self._pending_finish = (finish, _C.completed_calls())
         try:
             _C.adamw_step(*lists, lr, groups, batch.group_of, amsgrad=batch.amsgrad,
                           grad_scale=grad_scale, skip=skip, scratch=scratch,
                           zero_grads_on_skip=zero_grads_on_skip, loss_scale=loss_scale, **kwargs)
-        except (ValueError, TypeError, BufferError) as exc:
+        except (ValueError, TypeError, BufferError) as exc:  # refused: nothing written
             twice = batch.listed_twice() if "shares memory" in str(exc) else None
             if twice is not None:
                 raise ValueError(twice) from None
             group_names = [f"param_groups[{i}]" for i in range(len(groups))]
             reraise_with_names(exc, batch.names, group_names)
-        batch.store_params()
-        if loss_scale is not None:
-            # a gradient taken as a copy in its parameter's layout: the copy holds what the C
-            # core stored (unscaled, or the scaled values of a skipped step). Inference mode:
-            # an inference tensor's gradient takes the write too, as the C core's would.
-            with torch.inference_mode():
-                for _, grad, copy in batch.grad_copies:
-                    grad.copy_(copy)
-        mark_written(*written)
+        finish()
 
 
 # ---------------------------------------------------------------------------------------- entries

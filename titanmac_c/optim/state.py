@@ -56,16 +56,19 @@ _ABSENT = object()  # no entry in the state dict (one may hold None, set by hand
 
 
 class CommittedNewState:
-    """A first step's new state, put into the optimizer's state before the C calls: Python raises
-    a KeyboardInterrupt at the first instruction after a call returns, which would otherwise
-    leave parameters stepped without their state (torch's fused AdamW leaves both). One raised
-    before a call (in its Python preparation) leaves the fresh state of parameters it did not
-    step: the values a first step starts from, so only state_dict() tells."""
+    """A first step's new state, put into the optimizer's state before the C calls (a call
+    reads it from there), and taken back when the step stops before any call wrote: a refusal,
+    or an interrupt that the count of completed calls (_C.completed_calls) places before the
+    first write. One that surfaces as a call returns, after its write, keeps it: the parameters
+    were stepped (torch's fused AdamW leaves both)."""
 
     def __init__(self, state, new_state):
         self.state = state
+        self.new_state = new_state
         self.found = {p: state.get(p, _ABSENT) for p in new_state}  # absent, empty or None
-        state.update(new_state)
+
+    def commit(self):
+        self.state.update(self.new_state)
 
     def take_back(self, refused, batches):
         """After the C call of batch `refused` raised (before any write), and the batches after
@@ -76,7 +79,7 @@ class CommittedNewState:
             if p in self.found:
                 entry = self.found.pop(p)
                 if entry is _ABSENT:
-                    del state[p]
+                    state.pop(p, None)  # (absent still if commit() did not run)
                 else:
                     state[p] = entry
 
