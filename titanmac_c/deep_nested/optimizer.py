@@ -69,6 +69,7 @@ from .cms import CMSMode, init_output_on_sign
 from .cms_state import CMSState
 from .control import Control
 from .graph import GraphState
+from .model_loss import ModelLoss
 from .meta import (
     CURRENT,
     clip_of_current_gradients,
@@ -220,6 +221,9 @@ class DeepNestedOptimizer(torch.optim.Optimizer):
         self.controller_grad_norm = 0.0
         self._stored_loss = None
         self._warned_no_loss = False
+        # the loss of the model's last training forward, for a step() given none
+        self._model_loss = ModelLoss()
+        model.register_forward_hook(self._model_loss)
         self._clip_mark = None  # see meta.mark_clipped_gradients
         self._clipped_in_place = False  # this step clipped the gradients in memory (hooks)
         self._updated = False  # this step's update has run
@@ -280,6 +284,7 @@ class DeepNestedOptimizer(torch.optim.Optimizer):
         # a pickle of 0.2.0, whose base_lr was an attribute beside the groups
         base_lr = state.pop("base_lr", None)
         state.setdefault("_update_mark", None)
+        state.setdefault("_model_loss", ModelLoss())  # (not hooked on the model: no forward's)
         state.setdefault("defaults", state["base_optimizer"].defaults)
         torch.optim.Optimizer.__setstate__(self, state)
         if base_lr is not None:
@@ -451,6 +456,9 @@ class DeepNestedOptimizer(torch.optim.Optimizer):
     def _take_loss(self, loss_value):
         loss = loss_value if loss_value is not None else self._stored_loss
         self._stored_loss = None
+        model_loss = self._model_loss.take()  # each forward's loss serves one step
+        if loss is None:
+            loss = model_loss
         if loss is None:
             if not self._warned_no_loss:
                 warnings.warn("DeepNestedOptimizer.step() called without a loss value; using 0.0")
