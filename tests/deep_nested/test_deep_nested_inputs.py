@@ -27,7 +27,7 @@ from dno_models import (MODE_IDS, MODES, PartlyFrozen, fixed_grads, loss_fn, mak
                         set_grads_by_name, step_all, synthetic_batches)
 
 
-def _twin_optimizers(kw):
+def twin_optimizers(kw):
     """(model, its optimizer, a copy of the model, an optimizer in the same state for it)."""
     model = make_mlp_10_32_5(seed=0)
     twin = copy.deepcopy(model)
@@ -37,13 +37,13 @@ def _twin_optimizers(kw):
     return model, opt, twin, clean
 
 
-def _assert_untouched_then_alike(model, opt, twin, clean, before, at):
+def assert_untouched_then_alike(model, opt, twin, clean, before, at):
     """After a refused step `at`: global_step at - 1, the parameters and the state as `before`
-    (a _snapshot); then two steps of both runs (twin's gradients for `at` already set) leave
+    (a params_and_state); then two steps of both runs (twin's gradients for `at` already set) leave
     the same parameters."""
     params_before, state_before = before
     assert opt.global_step == at - 1
-    params_after, state_after = _snapshot(model, opt)
+    params_after, state_after = params_and_state(model, opt)
     for a, b in zip(params_before, params_after):
         assert torch.equal(a, b)
     assert_same_state(state_before, state_after)
@@ -56,7 +56,7 @@ def _assert_untouched_then_alike(model, opt, twin, clean, before, at):
         assert torch.equal(pa, pb)
 
 
-def _snapshot(model, opt):
+def params_and_state(model, opt):
     sd = opt.state_dict()
     tensors = [p.detach().clone() for p in model.parameters()]
     return tensors, checkpoint_roundtrip(sd)
@@ -392,10 +392,10 @@ def test_a_refused_step_changes_nothing_and_names_its_parameter(kw, at, spoil, e
     state (lr multipliers and loss EMA included: a refusal after the control op undoes it; the
     MLP and its Adam state: Phase 1 does not run) and global_step are as before, and once fixed
     the run goes on exactly as one that never saw it."""
-    model, opt, twin, clean = _twin_optimizers(kw)
+    model, opt, twin, clean = twin_optimizers(kw)
     for step in range(1, at):  # through a Phase 1 step (5) in CMS mode
         step_all(step, (model, opt), (twin, clean))
-    params_before, state_before = _snapshot(model, opt)
+    params_before, state_before = params_and_state(model, opt)
     g = fixed_grads(model, at)
     set_grads_by_name(model, g)
     undo = spoil(model)
@@ -403,7 +403,7 @@ def test_a_refused_step_changes_nothing_and_names_its_parameter(kw, at, spoil, e
         opt.step(0.5)
     undo()
     set_grads_by_name(twin, g)
-    _assert_untouched_then_alike(model, opt, twin, clean, (params_before, state_before), at)
+    assert_untouched_then_alike(model, opt, twin, clean, (params_before, state_before), at)
     assert_same_state(checkpoint_roundtrip(opt.state_dict()),
                       checkpoint_roundtrip(clean.state_dict()))
 
@@ -412,10 +412,10 @@ def test_a_refused_step_changes_nothing_and_names_its_parameter(kw, at, spoil, e
 def test_a_base_lr_beyond_float32_set_mid_run_is_refused_before_anything_changes(kw):
     """The rates base_lr * mu live in float32: a base_lr assigned later whose rate would be inf
     there is refused by the control op (the parameters would turn inf/NaN), the step undone."""
-    model, opt, twin, clean = _twin_optimizers(kw)
+    model, opt, twin, clean = twin_optimizers(kw)
     for step in range(1, 4):
         step_all(step, (model, opt), (twin, clean))
-    params_before, state_before = _snapshot(model, opt)
+    params_before, state_before = params_and_state(model, opt)
     g = fixed_grads(model, 4)
     set_grads_by_name(model, g)
     opt.base_lr = 2e38
@@ -424,7 +424,7 @@ def test_a_base_lr_beyond_float32_set_mid_run_is_refused_before_anything_changes
         opt.step(0.5)
     opt.base_lr = clean.base_lr
     set_grads_by_name(twin, g)
-    _assert_untouched_then_alike(model, opt, twin, clean, (params_before, state_before), 4)
+    assert_untouched_then_alike(model, opt, twin, clean, (params_before, state_before), 4)
 
 
 def _fail_the_update(opt, p):
@@ -456,7 +456,7 @@ def test_a_step_failing_before_its_update_is_undone(kw, spoil, err, match):
     entry edited by hand, an unexpected error in the update call): global_step, the
     multipliers, the loss EMA and the parameters stay as they were, and the run then goes on as
     one that never saw it."""
-    model, opt, twin, clean = _twin_optimizers(kw)
+    model, opt, twin, clean = twin_optimizers(kw)
     for step in range(1, 4):
         step_all(step, (model, opt), (twin, clean))
     set_grads_by_name(model, fixed_grads(model, 4))
@@ -464,7 +464,7 @@ def test_a_step_failing_before_its_update_is_undone(kw, spoil, err, match):
     bias = model[2].bias
     if kw.get("use_cms_updates") and "exp_avg" in match:
         return  # CMS mode keeps no AdamW state
-    params_before, state_before = _snapshot(model, opt)
+    params_before, state_before = params_and_state(model, opt)
     saved = dict(opt.base_optimizer.state.get(bias, {}))  # (a defaultdict: no entry made)
     loss = spoil(opt, bias)
     with pytest.raises(err, match=match):
@@ -474,7 +474,7 @@ def test_a_step_failing_before_its_update_is_undone(kw, spoil, err, match):
         vars(opt._cms_mode).pop("phase2", None)
     if saved:
         opt.base_optimizer.state[bias].update(saved)
-    _assert_untouched_then_alike(model, opt, twin, clean, (params_before, state_before), 4)
+    assert_untouched_then_alike(model, opt, twin, clean, (params_before, state_before), 4)
 
 
 @pytest.mark.parametrize("kw, net, name", [
@@ -491,14 +491,14 @@ def test_a_network_weight_the_c_core_cannot_take_is_named(kw, net, name):
     weight = list(getattr(opt, net).parameters())[1]
     good = weight.data
     set_grads_by_name(model, fixed_grads(model, 2))
-    params_before, state_before = _snapshot(model, opt)
+    params_before, state_before = params_and_state(model, opt)
     weight.data = good.half()
     with pytest.raises(ValueError, match=rf"^weights\[1\]: expected float32, got float16 "
                                          rf"\({net} parameter '{name}'\)$"):
         opt.step(0.5)
     weight.data = good
     assert opt.global_step == 1
-    params_after, state_after = _snapshot(model, opt)
+    params_after, state_after = params_and_state(model, opt)
     for a, b in zip(params_before, params_after):
         assert torch.equal(a, b)
     assert_same_state(state_before, state_after)
@@ -508,7 +508,7 @@ def test_a_network_weight_the_c_core_cannot_take_is_named(kw, net, name):
 def test_gradients_made_under_inference_mode_are_stepped(kw):
     """A gradient made under torch.inference_mode (no version counter): the step runs as with
     an ordinary gradient of the same values (the clip bookkeeping skips it)."""
-    model, opt, twin, clean = _twin_optimizers(kw)
+    model, opt, twin, clean = twin_optimizers(kw)
     for step in range(1, 7):
         g = fixed_grads(model, step)
         set_grads_by_name(twin, g)

@@ -12,15 +12,19 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import titanmac_c
+from conftest import assert_same_state
 from dno_models import loss_fn, make_mlp_10_32_5, synthetic_batches
 from interrupts import deep_copy_with_grads, sweep
 
 
-def trained(kw, steps):
-    """An optimizer after `steps` steps, with the next step's gradients in place, and that loss."""
+def trained(kw, steps, prepare=None):
+    """An optimizer after `steps` steps, with the next step's gradients in place, and that loss;
+    prepare(opt) runs before the first step."""
     torch.manual_seed(0)
     model = make_mlp_10_32_5()
     opt = titanmac_c.DeepNestedOptimizer(model, base_lr=3e-3, **kw)
+    if prepare is not None:
+        prepare(opt)
     batches = synthetic_batches("mlp", steps + 1, seed=1)
     for batch in batches[:steps]:
         opt.zero_grad()
@@ -44,27 +48,12 @@ def everything(model, opt):
             opt.global_step)
 
 
-def assert_same(a, b, path="state"):
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b), path
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), path
-        for k in a:
-            assert_same(a[k], b[k], f"{path}[{k!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{path}[{i}]")
-    else:
-        assert a == b, path
-
-
 def finish_as_uninterrupted(model, opt, loss, kw, steps):
     """The interrupted optimizer steps on as one that never saw the interrupt."""
     model_c, opt_c, loss_c = trained(kw, steps)
     for o, step_loss in ((opt, loss), (opt_c, loss_c)):
         o.step(step_loss)
-    assert_same(everything(model, opt), everything(model_c, opt_c))
+    assert_same_state(everything(model, opt), everything(model_c, opt_c))
 
 
 class InterruptingLoss:
@@ -84,7 +73,7 @@ def test_an_interrupt_reading_the_loss_changes_nothing(kw):
     before = everything(model, opt)
     with pytest.raises(KeyboardInterrupt):
         opt.step(InterruptingLoss())
-    assert_same(everything(model, opt), before)
+    assert_same_state(everything(model, opt), before)
     finish_as_uninterrupted(model, opt, loss, kw, 4)
 
 
@@ -111,8 +100,8 @@ def test_an_interrupt_in_phase_1s_adam_step_changes_nothing():
     finally:
         handle.remove()
     assert seen, "Phase 1 did not run"
-    assert_same(everything(model, opt), before)
-    assert_same(opt._cms_mode.output_history, history)
+    assert_same_state(everything(model, opt), before)
+    assert_same_state(opt._cms_mode.output_history, history)
     finish_as_uninterrupted(model, opt, loss, kw, 4)
 
 
@@ -128,7 +117,7 @@ def test_an_interrupt_from_a_hook_on_the_optimizer_changes_nothing():
     with pytest.raises(KeyboardInterrupt):
         opt.step(loss)
     handle.remove()
-    assert_same(everything(model, opt), before)
+    assert_same_state(everything(model, opt), before)
 
 
 def test_adamw_an_interrupt_reading_a_learning_rate_changes_nothing():
@@ -147,7 +136,7 @@ def test_adamw_an_interrupt_reading_a_learning_rate_changes_nothing():
     with pytest.raises(KeyboardInterrupt):
         opt.step()
     assert torch.equal(p, before[0])
-    assert_same(opt.state_dict()["state"], before[1]["state"])
+    assert_same_state(opt.state_dict()["state"], before[1]["state"])
 
 
 # ------------------------------------------------------------------ at every point of a step
@@ -223,23 +212,13 @@ def test_a_graph_mode_step_interrupted_anywhere_is_undone_or_done(monkeypatch, k
         return replay
 
     monkeypatch.setattr(GraphState, "_graph_of", graph_of)
-    kw = dict(kw, cuda_graph_warmup_steps=2)
-    torch.manual_seed(0)
-    model = make_mlp_10_32_5()
-    opt = titanmac_c.DeepNestedOptimizer(model, base_lr=3e-3, **kw)
-    if opt._cms_mode is not None:
-        opt._cms_mode.phase1_cpu_path = False  # CUDA's Phase 1 (torch ops)
-    opt._graph = opt._graph_state()
-    batches = synthetic_batches("mlp", steps + 1, seed=1)
-    for batch in batches[:steps]:
-        opt.zero_grad()
-        loss = loss_fn(model, batch)
-        loss.backward()
-        opt.step(loss.detach())
-    opt.zero_grad()
-    loss = loss_fn(model, batches[steps])
-    loss.backward()
-    loss = loss.detach()
+
+    def as_graph_mode(opt):
+        if opt._cms_mode is not None:
+            opt._cms_mode.phase1_cpu_path = False  # CUDA's Phase 1 (torch ops)
+        opt._graph = opt._graph_state()
+
+    model, opt, loss = trained(dict(kw, cuda_graph_warmup_steps=2), steps, as_graph_mode)
     assert opt._graph.graphs, "no replay yet: the sweep would not be of a graph step"
     before, after = sweep(lambda: deep_copy_with_grads((model, opt), model),
                           lambda pair: pair[1].step(loss), dno_snapshot)
