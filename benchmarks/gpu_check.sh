@@ -81,6 +81,12 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 
 step build env TITANMAC_WITH_CUDA=1 python3 -m pip install --no-build-isolation --no-deps -q .
+# torch's optimizer test inputs (tests/adamw/test_torch_optim_db.py) need expecttest, which an
+# offline machine may lack: wheels carried in .whl/ (pip download expecttest -d .whl) install
+# here; without them those tests are reported as skipped.
+if ! python3 -c "import expecttest" 2>/dev/null && ls .whl/expecttest-*.whl >/dev/null 2>&1; then
+    python3 -m pip install --no-index --no-deps -q .whl/expecttest-*.whl
+fi
 # With pytest-xdist (where it is installed) the suite runs in TEST_WORKERS processes, each
 # with 2 CPU threads (the suite passes so on the CPU too; each process holds its own CUDA
 # context); TEST_WORKERS=0 runs it in one.
