@@ -33,7 +33,7 @@ from .optim import AdamW
 
 Error = _C.Error
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 
 def cuda_available() -> bool:
