@@ -104,11 +104,6 @@ def module_state(module, use_compile):
     return type(sd)((_COMPILED_PREFIX + k, v) for k, v in sd.items())
 
 
-def meta_histories(meta_trainer):
-    """The meta trainer's histories as a checkpoint keeps them (lists of the live entries)."""
-    return {name: list(getattr(meta_trainer, name)) for name in META_HISTORIES}
-
-
 class CheckedCheckpoint:
     """A DeepNestedOptimizer checkpoint with everything a load would refuse after its first write
     found before it: the parts' keys, the modules' keys and shapes (loaded into copies), the

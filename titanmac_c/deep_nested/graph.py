@@ -22,7 +22,7 @@ import torch
 
 from .. import _C
 from .._internal import profiling as prof
-from .._internal.runtime import before_write, mark_written, run_to_completion
+from .._internal.runtime import before_write, mark_written
 from ..optim.adamw import adamw_step, group_hyperparameters
 from ..optim.batching import lay_out_state
 from .args import check_float, check_rate_range
@@ -35,7 +35,7 @@ class GraphState:
     gradient that was reallocated anyway is copied in), the learning rate scale is a device
     tensor, and a reload re-captures."""
 
-    update_mark = None  # (a class default for objects pickled before it existed)
+    update_mark = written = None  # (class defaults for objects pickled before they existed)
 
     def __init__(self, device, params, weights, control, cms, warmup):
         self.device = device
@@ -64,6 +64,7 @@ class GraphState:
         self.bound_params = []  # the parameters static_grads belong to, in order
         self.captured = False
         self.update_mark = None  # completed_calls() before this step's update replay
+        self.written = None  # the tensors that replay writes, until finish_written
         self.addresses = None  # see _addresses
         self.host_values = None  # see _host_values
 
@@ -149,34 +150,36 @@ class GraphState:
         # that trains the DirectUpdateMLP (Phase 1: torch ops and torch's Adam, eager) replays
         # two: the statistics and control, whose clip coefficient and skip flag Phase 1 reads,
         # then Phase 2.
-        written = (params, self.static_grads if cms is None else ())
-        before_write(*written)
+        # a replay writes what the eager step's calls mark (parameters; gradients zeroed on a
+        # skip in AdamW mode): marked by finish_written once the update replay ran
+        self.written = (params, self.static_grads if cms is None else ())
+        before_write(*self.written)
         fires = None if cms is None else tuple(cms.state.fires(t))
         update = step.update
-        try:
-            if cms is not None and cms.phase1_due(step):
-                head_mark = _C.completed_calls()
-                try:
-                    self._replay(("head", update), lambda: self._captured_head(step))
-                    cms.phase1(step)
-                    self._replay(("tail", fires), lambda: self._captured_tail(step),
-                                 update=True)
-                except BaseException:  # a refusal, or an interrupt before the tail wrote
-                    if not self.updated:  # the step did not happen
-                        if _C.completed_calls() != head_mark:  # the head's control op ran
-                            self.control.undo()
-                        if cms.phase1_undo is not None:
-                            cms.phase1_undo()
-                    raise
-            else:
-                self._replay((update, fires), lambda: (self._captured_head(step),
-                                                       self._captured_tail(step)), update=True)
-        finally:
-            # a replay writes what the eager step's calls mark (parameters; gradients zeroed
-            # on a skip in AdamW mode)
-            if self.updated:
-                run_to_completion(lambda: mark_written(*written))
+        if cms is not None and cms.phase1_due(step):
+            head_mark = _C.completed_calls()
+            try:
+                self._replay(("head", update), lambda: self._captured_head(step))
+                cms.phase1(step)
+                self._replay(("tail", fires), lambda: self._captured_tail(step), update=True)
+            except BaseException:  # a refusal, or an interrupt before the tail wrote
+                if not self.updated:  # the step did not happen
+                    if _C.completed_calls() != head_mark:  # the head's control op ran
+                        self.control.undo()
+                    if cms.phase1_undo is not None:
+                        cms.phase1_undo()
+                raise
+        else:
+            self._replay((update, fires), lambda: (self._captured_head(step),
+                                                   self._captured_tail(step)), update=True)
         return True
+
+    def finish_written(self):
+        """After a step whose update replay ran (also when an exception followed it; run again
+        if interrupted): autograd told of the replay's writes (mark_written)."""
+        if self.written is not None and self.updated:
+            mark_written(*self.written)  # (twice, if interrupted here: a harmless extra bump)
+        self.written = None
 
     def _lay_out_state(self, params):
         """The state of a parameter relaid out since the last capture (`p.data = ...` in another

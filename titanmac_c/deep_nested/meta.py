@@ -7,7 +7,7 @@ loads them). The momentum network's proxy loss is CMS mode's (cms.py)."""
 import torch
 
 from .._internal.grad_mark import GradientMark
-from .nets import EXPLICIT_META_ROWS, META_GRAD_CLIP, META_HISTORIES, fused_clip_grad_norm_
+from .nets import EXPLICIT_META_ROWS, META_GRAD_CLIP, fused_clip_grad_norm_, meta_histories
 from .undo import training_undo
 
 CURRENT = object()  # _update_meta_components' default: the current gradients' clip
@@ -52,7 +52,7 @@ def meta_step(control, cms, loss_value, grad_scale, step, meta_trainer, meta_opt
     loss_value = host_float(loss_value)
     meta_params = list(step.momentum_mlp.parameters()) + list(step.controller.parameters())
     undo_training = training_undo(meta_params, meta_optimizer)
-    histories = {name: list(getattr(meta_trainer, name)) for name in META_HISTORIES}
+    histories = meta_histories(meta_trainer)
     try:
         return _meta_step(control, cms, loss_value, grad_scale, step, meta_trainer,
                           meta_optimizer, momentum_norm, meta_params)

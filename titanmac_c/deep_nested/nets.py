@@ -316,6 +316,11 @@ class L2RegressionMomentum(nn.Module):
 META_HISTORIES = ("loss_history", "multiplier_history", "momentum_history")
 
 
+def meta_histories(meta_trainer):
+    """The meta trainer's histories as lists of their live entries (a checkpoint's, an undo's)."""
+    return {name: list(getattr(meta_trainer, name)) for name in META_HISTORIES}
+
+
 class SimplifiedMetaTrainer:
     """FIFO histories (one entry per meta-update call), window = meta_update_freq."""
 

@@ -64,7 +64,7 @@ from .args import (
     loss_in_float32_range,
     model_device,
 )
-from .checkpoint import CheckedCheckpoint, meta_histories, module_state, uncompiled
+from .checkpoint import CheckedCheckpoint, module_state, uncompiled
 from .cms import CMSMode, init_output_on_sign
 from .cms_state import CMSState
 from .control import Control
@@ -92,6 +92,7 @@ from .nets import (
     default_loss_fn,
     group_moe_params,
     infer_param_depth,
+    meta_histories,
     model_n_layers,
 )
 from .params import GroupedParams, NetworkWeights
@@ -444,6 +445,8 @@ class DeepNestedOptimizer(torch.optim.Optimizer):
 
     def _after_update(self):
         """What follows a step's update (run again if interrupted: it must not be half done)."""
+        if self._graph is not None:
+            self._graph.finish_written()
         # gradients clipped in memory (step hooks) carry no pending coefficient
         self._clip_mark = None if self._clipped_in_place else mark_clipped_gradients(
             self.max_grad_norm, self.base_optimizer.param_groups)

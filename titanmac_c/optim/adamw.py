@@ -317,8 +317,10 @@ class AdamW(Optimizer):
                     and not batches[0].no_plan):
                 self._plan = Plan(self, batches[0])
         except Exception:  # refused before any write (the prechecks refuse a later call's
-            # tensors before the first call)
-            committed.take_back(batches[_C.completed_calls() - start], batches)
+            # tensors before the first call); one after every call wrote keeps the state
+            done = _C.completed_calls() - start
+            if done < len(batches):
+                committed.take_back(batches[done], batches)
             raise
         except BaseException:
             self._finish_pending()
