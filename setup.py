@@ -14,8 +14,9 @@ compiles (the C files, each CUDA file with its archs, and how long each took).
 Environment (defaults first):
   TITANMAC_WITH_CUDA   auto | 0 | 1   auto: CUDA when nvcc is found and csrc/cuda has .cu files;
                                       1: CUDA required (fail without nvcc)
-  TITANMAC_CUDA_ARCHS  "75;80;86;89;90;120"  SASS for each ("90", "90a", "9.0" accepted),
-                                             plus PTX of the highest for newer GPUs; the
+  TITANMAC_CUDA_ARCHS  "75;80;86;89;90;100;103;120"  SASS for each ("90", "90a", "9.0"
+                                             accepted), plus PTX of the lowest, which the
+                                             driver compiles at load on any newer GPU; the
                                              default drops those nvcc cannot build
   TITANMAC_OPENMP      auto | 0 | 1   -fopenmp; auto: when the C compiler builds and links an
                                       OpenMP program (Apple's clang does not), else the CPU
@@ -57,7 +58,10 @@ C_FLAGS = ["-std=c11", "-O3", "-Wall", "-Wextra", "-fvisibility=hidden", "-fno-m
            "-fno-trapping-math", "-ffp-contract=off"]
 NVCC_FLAGS = ["-std=c++17", "-O3", "-lineinfo", "-Xcompiler", "-fPIC",
               "-Xcompiler", "-fvisibility=hidden"]
-DEFAULT_ARCHS = "75;80;86;89;90;120"
+# Turing to Blackwell: T4, A100, RTX 30, L4/RTX 40, H100/H200, B200/GB200, B300/GB300, RTX 50.
+# PTX of the lowest runs on every GPU newer than all of them (compute_120's could not be compiled
+# for sm_100, so before sm_100 was listed a B200 had no code to run).
+DEFAULT_ARCHS = "75;80;86;89;90;100;103;120"
 IS_X86_64 = platform.machine().lower() in ("x86_64", "amd64")
 ISA_FLAGS = {
     "csrc/cpu/cpu_avx2.c": ["-mavx2", "-mfma", "-mf16c"],
@@ -152,7 +156,7 @@ def say(text):
 
 
 def arch_names(gencode):
-    """The -gencode flags as 'sm_75, sm_80, ... + PTX compute_120'."""
+    """The -gencode flags as 'sm_75, sm_80, ... + PTX compute_75'."""
     codes = [flag.split("code=")[1] for flag in gencode if "code=" in flag]
     sass = [c for c in codes if c.startswith("sm_")]
     ptx = [c for c in codes if c.startswith("compute_")]
@@ -160,7 +164,9 @@ def arch_names(gencode):
 
 
 def gencode_flags(archs):
-    """"90;90a;120" -> -gencode SASS for each entry, plus PTX of the highest (newer GPUs JIT it)."""
+    """"90;90a;120" -> -gencode SASS for each entry, plus PTX of the lowest: the driver compiles
+    it at load on a GPU none of the SASS runs on. The PTX is the plain arch's (compute_90 for
+    90a): an arch-specific one would run on its own arch only, and no kernel here needs one."""
     flags, numbers = [], []
     for entry in re.split(r"[;,\s]+", archs.strip()):
         arch = entry.replace(".", "")
@@ -173,8 +179,8 @@ def gencode_flags(archs):
         numbers.append(int(re.match(r"\d+", arch).group()))
     if not numbers:
         raise SystemExit("titanmac_c: TITANMAC_CUDA_ARCHS is empty")
-    top = max(numbers)
-    return flags + ["-gencode", f"arch=compute_{top},code=compute_{top}"]
+    lowest = min(numbers)
+    return flags + ["-gencode", f"arch=compute_{lowest},code=compute_{lowest}"]
 
 
 class BuildExt(build_ext):
