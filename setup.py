@@ -320,8 +320,11 @@ class BuildExt(build_ext):
         return run
 
 
+# The Limited API of Python 3.10 (Py_LIMITED_API, set in csrc/python/py_module.h): one build,
+# named _C.abi3.so, loads in every CPython >= 3.10, and its wheel is tagged cp310-abi3.
 setup(
     ext_modules=[Extension("titanmac_c._C", sources=c_sources(), include_dirs=INCLUDE_DIRS,
-                           language="c")],
+                           language="c", py_limited_api=True)],
     cmdclass={"build_ext": BuildExt},
+    options={"bdist_wheel": {"py_limited_api": "cp310"}},
 )

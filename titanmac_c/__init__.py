@@ -7,6 +7,18 @@ The compiled extension is required: there is no pure-Python fallback, so a broke
 import instead of silently running slow (or different) code.
 """
 
+import re as _re
+
+# torch first: its OpenMP runtime (libgomp, loaded for the whole process) is then the one the
+# extension's OpenMP calls bind to, so that one thread pool serves both (docs/architecture.md)
+import torch as _torch
+
+# pyproject requires torch >= 2.10, which pip cannot enforce on a torch installed otherwise (conda,
+# --no-deps): older ones lack APIs the package uses and would fail in the middle of a step
+_TORCH_RELEASE = tuple(map(int, _re.match(r"(\d+)\.(\d+)", _torch.__version__).groups()))
+if _TORCH_RELEASE < (2, 10):
+    raise ImportError(f"titanmac_c needs torch >= 2.10; this is torch {_torch.__version__}")
+
 try:
     from . import _C
 except ImportError as exc:  # pragma: no cover - only reached with a broken install
@@ -16,16 +28,6 @@ except ImportError as exc:  # pragma: no cover - only reached with a broken inst
         "set TITANMAC_WITH_CUDA=1 to require the CUDA backend). Importing titanmac_c from the "
         "source directory without building picks up the sources instead of the installed package."
     ) from exc
-
-import re as _re
-
-import torch as _torch
-
-# pyproject requires torch >= 2.10, which pip cannot enforce on a torch installed otherwise (conda,
-# --no-deps): older ones lack APIs the package uses and would fail in the middle of a step
-_TORCH_RELEASE = tuple(map(int, _re.match(r"(\d+)\.(\d+)", _torch.__version__).groups()))
-if _TORCH_RELEASE < (2, 10):
-    raise ImportError(f"titanmac_c needs torch >= 2.10; this is torch {_torch.__version__}")
 
 from .deep_nested import DeepNestedOptimizer
 from .functional import clip_grad_norm_, get_total_norm, group_norms

@@ -34,12 +34,35 @@ py_fail(PyObject *type, py_label lbl, const char *fmt, ...)
     return -1;
 }
 
+const char *
+py_type_name(PyObject *obj, char buf[PY_TYPE_NAME_MAX])
+{
+    PyObject *type = (PyObject *)Py_TYPE(obj), *err_type, *err_value, *err_tb;
+    PyErr_Fetch(&err_type, &err_value, &err_tb);
+    PyObject *name = PyObject_GetAttrString(type, "__name__");
+    /* a C type's tp_name carries its module ("torch.dtype"), a builtin's and a class's do not */
+    PyObject *module = PyType_GetFlags(Py_TYPE(obj)) & Py_TPFLAGS_HEAPTYPE
+                           ? NULL
+                           : PyObject_GetAttrString(type, "__module__");
+    const char *n = name != NULL && PyUnicode_Check(name) ? PyUnicode_AsUTF8AndSize(name, NULL)
+                                                          : NULL;
+    const char *m = module != NULL && PyUnicode_Check(module)
+                        ? PyUnicode_AsUTF8AndSize(module, NULL)
+                        : NULL;
+    if (m != NULL && strcmp(m, "builtins") != 0) {
+        snprintf(buf, PY_TYPE_NAME_MAX, "%s.%s", m, n != NULL ? n : "?");
+    } else {
+        snprintf(buf, PY_TYPE_NAME_MAX, "%s", n != NULL ? n : "?");
+    }
+    Py_XDECREF(name);
+    Py_XDECREF(module);
+    PyErr_Restore(err_type, err_value, err_tb); /* drops an error of the lookups themselves */
+    return buf;
+}
+
 PyObject *
 py_take_exception(void)
 {
-#if PY_VERSION_HEX >= 0x030C0000
-    return PyErr_GetRaisedException();
-#else
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);
     PyErr_NormalizeException(&type, &value, &tb);
@@ -49,7 +72,6 @@ py_take_exception(void)
     Py_XDECREF(type);
     Py_XDECREF(tb);
     return value;
-#endif
 }
 
 void
@@ -58,11 +80,7 @@ py_restore_exception(PyObject *exc)
     if (exc == NULL) {
         return;
     }
-#if PY_VERSION_HEX >= 0x030C0000
-    PyErr_SetRaisedException(exc);
-#else
     PyErr_Restore(Py_NewRef((PyObject *)Py_TYPE(exc)), exc, PyException_GetTraceback(exc));
-#endif
 }
 
 int
@@ -73,7 +91,7 @@ py_fail_from_pending(PyObject *type, py_label lbl, const char *what)
     }
     PyObject *cause = py_take_exception();
     PyObject *text = cause != NULL ? PyObject_Str(cause) : NULL;
-    const char *utf8 = text != NULL ? PyUnicode_AsUTF8(text) : NULL;
+    const char *utf8 = text != NULL ? PyUnicode_AsUTF8AndSize(text, NULL) : NULL;
     PyErr_Clear();
     utf8 = utf8 != NULL ? utf8 : "no details";
     /* first line only: torch appends a C++ backtrace (the chained cause keeps all of it) */
@@ -152,7 +170,7 @@ py_exchange_api(py_state *st, PyTypeObject *type)
     }
     PyObject *owner;
     const DLPackExchangeAPI *api = lookup_table(st, type, &owner);
-    int remember = api != NULL || !(type->tp_flags & Py_TPFLAGS_HEAPTYPE);
+    int remember = api != NULL || !(PyType_GetFlags(type) & Py_TPFLAGS_HEAPTYPE);
     if (remember && st->n_api < PY_API_CACHE_SIZE) {
         py_api_entry *e = &st->api_cache[st->n_api++];
         e->type = (PyTypeObject *)Py_NewRef((PyObject *)type);
@@ -332,8 +350,8 @@ py_dlpack_device_type(py_state *st, PyObject *obj, py_label lbl, long *type)
         return 0;
     }
     *type = -1;
-    if (PyTuple_Check(dev) && PyTuple_GET_SIZE(dev) == 2) {
-        *type = PyLong_AsLong(PyTuple_GET_ITEM(dev, 0));
+    if (PyTuple_Check(dev) && PyTuple_Size(dev) == 2) {
+        *type = PyLong_AsLong(PyTuple_GetItem(dev, 0));
     }
     Py_DECREF(dev);
     if (*type == -1) {

@@ -266,19 +266,18 @@ import_protocol(py_batch *b, PyObject *obj, py_label lbl, int may_detach, DLTens
         PyErr_Clear();
         return py_fail(PyExc_TypeError, lbl,
                        "expected a tensor (an object with __dlpack__), got %.100s",
-                       Py_TYPE(obj)->tp_name);
+                       PY_TYPE_NAME(obj));
     }
     long device_type = kDLCPU;
     if (py_dlpack_device_type(st, obj, lbl, &device_type) < 0) {
         Py_DECREF(method);
         return -1;
     }
-    /* -1: no sync by the producer; we launch on torch's current stream (dlpack.md section 5) */
-    PyObject *argv[2] = {device_type == kDLCUDA ? st->minus_one : Py_None, st->max_version};
-    PyObject *cap = PyObject_Vectorcall(method, argv, 0, st->kw_stream_version);
+    PyObject *const *kwargs = st->dlpack_kwargs[device_type == kDLCUDA];
+    PyObject *cap = PyObject_Call(method, st->no_args, kwargs[1]);
     if (cap == NULL && PyErr_ExceptionMatches(PyExc_TypeError)) {
         PyErr_Clear(); /* a producer older than DLPack 1.0 (torch <= 2.8): no max_version */
-        cap = PyObject_Vectorcall(method, argv, 0, st->kw_stream);
+        cap = PyObject_Call(method, st->no_args, kwargs[0]);
     }
     Py_DECREF(method);
     if (cap == NULL) {
@@ -295,7 +294,7 @@ import_protocol(py_batch *b, PyObject *obj, py_label lbl, int may_detach, DLTens
         rc = consume_capsule(b, cap, lbl, dl, flags);
     } else {
         py_fail(PyExc_BufferError, lbl, "__dlpack__() returned %.100s, not a capsule",
-                Py_TYPE(cap)->tp_name);
+                PY_TYPE_NAME(cap));
     }
     Py_DECREF(cap); /* renamed: the producer's destructor leaves the tensor to us */
     return rc;
@@ -369,10 +368,10 @@ py_import_list(py_batch *b, PyObject *seq, const char *name, int allow_none, tm_
     }
     if (!PyList_Check(seq) && !PyTuple_Check(seq)) {
         PyErr_Format(PyExc_TypeError, "%s: expected a list or tuple of tensors, got %.100s", name,
-                     Py_TYPE(seq)->tp_name);
+                     PY_TYPE_NAME(seq));
         return -1;
     }
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    Py_ssize_t n = py_seq_size(seq);
     if (n > INT32_MAX) {
         PyErr_Format(PyExc_ValueError, "%s: too many tensors (%zd)", name, n);
         return -1;
@@ -382,11 +381,11 @@ py_import_list(py_batch *b, PyObject *seq, const char *name, int allow_none, tm_
         return -1;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (i >= PySequence_Fast_GET_SIZE(seq)) { /* __dlpack__ may run any Python code */
+        if (i >= py_seq_size(seq)) { /* __dlpack__ may run any Python code */
             PyErr_Format(PyExc_RuntimeError, "%s: the list changed size during the call", name);
             return -1;
         }
-        PyObject *item = Py_NewRef(PySequence_Fast_GET_ITEM(seq, i));
+        PyObject *item = Py_NewRef(py_seq_item(seq, i));
         int rc = import_labelled(b, item, (py_label){name, i}, 0, &t[i], NULL, NULL);
         Py_DECREF(item);
         if (rc < 0) {

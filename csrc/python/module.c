@@ -135,14 +135,20 @@ module_exec(PyObject *module)
     st->s_detach = PyUnicode_InternFromString("detach");
     st->s_exchange_api = PyUnicode_InternFromString("__dlpack_c_exchange_api__");
     st->s_exchange_legacy = PyUnicode_InternFromString("__c_dlpack_exchange_api__");
-    st->kw_stream_version = Py_BuildValue("(ss)", "stream", "max_version");
-    st->kw_stream = Py_BuildValue("(s)", "stream");
-    st->max_version = Py_BuildValue("(ii)", TM_DLPACK_MAJOR, TM_DLPACK_MINOR);
-    st->minus_one = PyLong_FromLong(-1);
+    st->no_args = PyTuple_New(0);
     if (st->s_dlpack == NULL || st->s_dlpack_device == NULL || st->s_detach == NULL ||
-        st->s_exchange_api == NULL || st->s_exchange_legacy == NULL ||
-        st->kw_stream_version == NULL || st->kw_stream == NULL || st->max_version == NULL ||
-        st->minus_one == NULL) {
+        st->s_exchange_api == NULL || st->s_exchange_legacy == NULL || st->no_args == NULL) {
+        return -1;
+    }
+    /* -1: no sync by the producer; we launch on torch's current stream (dlpack.md section 5) */
+    PyObject **kw = &st->dlpack_kwargs[0][0];
+    kw[0] = Py_BuildValue("{s:O}", "stream", Py_None);
+    kw[1] = Py_BuildValue("{s:O,s:(ii)}", "stream", Py_None, "max_version", TM_DLPACK_MAJOR,
+                          TM_DLPACK_MINOR);
+    kw[2] = Py_BuildValue("{s:i}", "stream", -1);
+    kw[3] = Py_BuildValue("{s:i,s:(ii)}", "stream", -1, "max_version", TM_DLPACK_MAJOR,
+                          TM_DLPACK_MINOR);
+    if (kw[0] == NULL || kw[1] == NULL || kw[2] == NULL || kw[3] == NULL) {
         return -1;
     }
     /* The sizes the C core's fixed arrays take (stack, shared memory, kernel parameters), so
@@ -191,10 +197,10 @@ module_clear(PyObject *module)
     Py_CLEAR(st->s_detach);
     Py_CLEAR(st->s_exchange_api);
     Py_CLEAR(st->s_exchange_legacy);
-    Py_CLEAR(st->kw_stream_version);
-    Py_CLEAR(st->kw_stream);
-    Py_CLEAR(st->max_version);
-    Py_CLEAR(st->minus_one);
+    Py_CLEAR(st->no_args);
+    for (int i = 0; i < 4; i++) {
+        Py_CLEAR((&st->dlpack_kwargs[0][0])[i]);
+    }
     return 0;
 }
 

@@ -12,6 +12,8 @@
 
 #include "tm_tensor.h"
 
+#include <stdlib.h>
+
 PyObject *
 py_raise_status(py_state *st, tm_status status)
 {
@@ -46,25 +48,25 @@ py_parse_groups(py_batch *b, PyObject *groups, tm_adamw_args *a)
 {
     if (!PyList_Check(groups) && !PyTuple_Check(groups)) {
         PyErr_Format(PyExc_TypeError, "groups: expected a list of tuples, got %.100s",
-                     Py_TYPE(groups)->tp_name);
+                     PY_TYPE_NAME(groups));
         return -1;
     }
     PyObject *seq = PySequence_Tuple(groups); /* float() of an entry may run Python code */
     if (seq == NULL) {
         return -1;
     }
-    Py_ssize_t n = PyTuple_GET_SIZE(seq);
+    Py_ssize_t n = PyTuple_Size(seq);
     tm_adamw_group *g = n <= INT32_MAX ? py_batch_alloc(b, (size_t)n * sizeof *g) : NULL;
     for (Py_ssize_t i = 0; g != NULL && i < n; i++) {
-        PyObject *tup = PySequence_Tuple(PyTuple_GET_ITEM(seq, i));
+        PyObject *tup = PySequence_Tuple(PyTuple_GetItem(seq, i));
         double v[4];
-        int ok = tup != NULL && PyTuple_GET_SIZE(tup) == 5, maximize = -1;
+        int ok = tup != NULL && PyTuple_Size(tup) == 5, maximize = -1;
         for (int k = 0; ok && k < 4; k++) {
-            v[k] = PyFloat_AsDouble(PyTuple_GET_ITEM(tup, k));
+            v[k] = PyFloat_AsDouble(PyTuple_GetItem(tup, k));
             ok = !(v[k] == -1.0 && PyErr_Occurred());
         }
         if (ok) {
-            maximize = PyObject_IsTrue(PyTuple_GET_ITEM(tup, 4));
+            maximize = PyObject_IsTrue(PyTuple_GetItem(tup, 4));
         }
         Py_XDECREF(tup);
         if (maximize < 0) {
@@ -99,12 +101,12 @@ py_parse_ints(py_batch *b, PyObject *obj, const char *name, int32_t count, const
     }
     if (!PyList_Check(obj) && !PyTuple_Check(obj)) {
         PyErr_Format(PyExc_TypeError, "%s: expected a list of ints or None, got %.100s", name,
-                     Py_TYPE(obj)->tp_name);
+                     PY_TYPE_NAME(obj));
         return -1;
     }
-    if (PySequence_Fast_GET_SIZE(obj) != count) {
+    if (py_seq_size(obj) != count) {
         PyErr_Format(PyExc_ValueError, "%s: %zd entries for %d %s", name,
-                     PySequence_Fast_GET_SIZE(obj), (int)count, of);
+                     py_seq_size(obj), (int)count, of);
         return -1;
     }
     int32_t *g = py_batch_alloc(b, (size_t)count * sizeof *g);
@@ -112,10 +114,10 @@ py_parse_ints(py_batch *b, PyObject *obj, const char *name, int32_t count, const
         return -1;
     }
     for (int32_t i = 0; i < count; i++) {
-        PyObject *item = PySequence_Fast_GET_ITEM(obj, i); /* exact ints run no Python code */
+        PyObject *item = py_seq_item(obj, i); /* exact ints run no Python code */
         if (!PyLong_Check(item)) { /* bools are ints */
             PyErr_Format(PyExc_TypeError, "%s[%d]: expected an int, got %.100s", name, (int)i,
-                         Py_TYPE(item)->tp_name);
+                         PY_TYPE_NAME(item));
             return -1;
         }
         long v = PyLong_AsLong(item);
@@ -194,7 +196,7 @@ get_scratch(py_batch *b, const tm_tensor *dev, PyObject *scratch, size_t need, c
         PyErr_Format(PyExc_ValueError, "scratch: CUDA needs %zu bytes (see %s)", need, sizer);
         return -1;
     }
-    c->heap = PyMem_RawMalloc(need);
+    c->heap = malloc(need);
     if (c->heap == NULL) {
         PyErr_NoMemory();
         return -1;
@@ -263,7 +265,7 @@ PyObject *
 py_finish(py_batch *b, py_call *c, int ran, tm_status status)
 {
     py_batch_release(b);
-    PyMem_RawFree(c->heap);
+    free(c->heap);
     if (!ran) {
         return NULL;
     }

@@ -11,7 +11,7 @@
 
 typedef struct {
     tm_exec ex;
-    void *heap; /* CPU scratch allocated for this call (PyMem_RawMalloc) */
+    void *heap; /* CPU scratch allocated for this call (malloc) */
     int on_cpu;
 } py_call;
 

@@ -33,10 +33,10 @@ level_count(PyObject *seq, const char *name, const char *what, Py_ssize_t *k)
 {
     if (!PyList_Check(seq) && !PyTuple_Check(seq)) {
         PyErr_Format(PyExc_TypeError, "%s: expected a list of %s per level, got %.100s", name,
-                     what, Py_TYPE(seq)->tp_name);
+                     what, PY_TYPE_NAME(seq));
         return -1;
     }
-    const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    const Py_ssize_t n = py_seq_size(seq);
     if (*k < 0 && (n < 1 || n > TM_CMS_MAX_LEVELS)) {
         PyErr_Format(PyExc_ValueError, "%s: %zd levels, must be in [1, %d]", name, n,
                      TM_CMS_MAX_LEVELS);
@@ -58,12 +58,12 @@ import_levels(py_batch *b, PyObject *seq, int r, Py_ssize_t *k, tm_tensor_list *
         return -1;
     }
     for (Py_ssize_t l = 0; l < *k; l++) {
-        if (l >= PySequence_Fast_GET_SIZE(seq)) { /* __dlpack__ may run any Python code */
+        if (l >= py_seq_size(seq)) { /* __dlpack__ may run any Python code */
             PyErr_Format(PyExc_RuntimeError, "%s: the list changed size during the call",
                          role_names[r]);
             return -1;
         }
-        PyObject *item = Py_NewRef(PySequence_Fast_GET_ITEM(seq, l));
+        PyObject *item = Py_NewRef(py_seq_item(seq, l));
         int rc = py_import_list(b, item, level_names[r][l], 0, &out[l]);
         Py_DECREF(item);
         if (rc < 0) {
@@ -86,8 +86,8 @@ parse_level_numbers(PyObject *const seqs[3], Py_ssize_t k, tm_cms_args *a)
         }
         /* stop at the first failure: the next conversion may run Python code (__bool__,
          * __float__), which must not run with an exception set */
-        for (Py_ssize_t l = 0; l < k && l < PyTuple_GET_SIZE(tup) && !PyErr_Occurred(); l++) {
-            PyObject *item = PyTuple_GET_ITEM(tup, l);
+        for (Py_ssize_t l = 0; l < k && l < PyTuple_Size(tup) && !PyErr_Occurred(); l++) {
+            PyObject *item = PyTuple_GetItem(tup, l);
             if (s == 0) {
                 a->fires[l] = PyObject_IsTrue(item);
             } else {

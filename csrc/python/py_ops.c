@@ -99,11 +99,11 @@ parse_result_dtype(PyObject *obj, tm_dtype *out)
     if (obj == Py_None) {
         return 0;
     }
-    const char *name = PyUnicode_Check(obj) ? PyUnicode_AsUTF8(obj) : NULL;
+    const char *name = PyUnicode_Check(obj) ? PyUnicode_AsUTF8AndSize(obj, NULL) : NULL;
     if (name == NULL) {
         if (!PyErr_Occurred()) {
             PyErr_Format(PyExc_TypeError, "result_dtype: expected None or a dtype name, got %.100s",
-                         Py_TYPE(obj)->tp_name);
+                         PY_TYPE_NAME(obj));
         }
         return -1;
     }
