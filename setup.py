@@ -262,8 +262,17 @@ class BuildExt(build_ext):
         objects = sorted(built, key=lambda obj: (obj.endswith(".cu.o"), obj))
         say(f"titanmac_c: compiled in {time.perf_counter() - start:.0f} s; linking")
 
+        target = self.get_ext_fullpath(ext.name)
+        # an extension of an earlier build under another name (_C.cpython-311-*.so before the
+        # Limited API) would be installed beside this one and imported first: Python tries the
+        # version-tagged name before .abi3.so
+        stem = os.path.join(os.path.dirname(target), ext.name.split(".")[-1])
+        for stale in glob.glob(stem + ".*.so") + glob.glob(stem + ".*.pyd"):
+            if os.path.abspath(stale) != os.path.abspath(target):
+                say(f"titanmac_c: removing {stale}, an earlier build's")
+                os.remove(stale)
         self.compiler.link_shared_object(
-            objects, self.get_ext_fullpath(ext.name), libraries=libraries,
+            objects, target, libraries=libraries,
             library_dirs=library_dirs, extra_postargs=ldflags,
             export_symbols=self.get_export_symbols(ext), build_temp=self.build_temp,
             target_lang="c")

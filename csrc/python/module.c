@@ -31,6 +31,18 @@ py_cuda_compiled(PyObject *module, PyObject *unused)
     return PyBool_FromLong(tm_cuda_compiled());
 }
 
+static PyObject *
+py_openmp_compiled(PyObject *module, PyObject *unused)
+{
+    (void)module;
+    (void)unused;
+#ifdef _OPENMP /* every C file is compiled with the same -fopenmp or none */
+    Py_RETURN_TRUE;
+#else
+    Py_RETURN_FALSE;
+#endif
+}
+
 #define KW(fn) (PyCFunction)(void (*)(void))(fn), METH_VARARGS | METH_KEYWORDS
 
 static PyMethodDef module_methods[] = {
@@ -87,6 +99,9 @@ static PyMethodDef module_methods[] = {
      "_select_cpu_isa(name)\n--\n\nUse another CPU instruction set (None: the best)."},
     {"cuda_compiled", py_cuda_compiled, METH_NOARGS,
      "cuda_compiled()\n--\n\nTrue when this build has the CUDA backend."},
+    {"openmp_compiled", py_openmp_compiled, METH_NOARGS,
+     "openmp_compiled()\n--\n\nTrue when the CPU loops were built with OpenMP (else they run on "
+     "one thread)."},
     {"dlpack_intake", KW(py_dlpack_intake),
      "dlpack_intake(obj=None)\n--\n\nThe intake mode ('exchange' or 'protocol'), or the path obj "
      "would take ('exchange', 'protocol' or 'capsule')."},
