@@ -31,9 +31,9 @@ def child_env(build):
 def extension_of(build):
     """The extension file a process with this build on its path imports (checked to lie in it:
     a build that fails to import must not be replaced by another one found further on)."""
-    done = subprocess.run([sys.executable, "-c", "import titanmac_c; print(titanmac_c._C.__file__)"],
-                          capture_output=True, text=True, env=child_env(build), cwd=HERE,
-                          check=True)
+    probe = "import titanmac_c; print(titanmac_c._C.__file__)"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          env=child_env(build), cwd=HERE, check=True)
     path = done.stdout.strip()
     if not os.path.realpath(path).startswith(os.path.realpath(build) + os.sep):
         raise SystemExit(f"ab_host: {build} holds no titanmac_c (it imported {path})")
