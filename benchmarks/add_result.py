@@ -24,7 +24,9 @@ sys.path.insert(0, HERE)
 import make_results  # noqa: E402  (benchmarks/ is not a package)
 from _cli import make_parser  # noqa: E402
 
-STEP_COLUMNS = [
+# bench_step.py's output before it timed device and host apart (median_ms: events around the
+# step on an idle GPU)
+STEP_COLUMNS_OLD = [
     dict(key="shape", label="parameters"),
     dict(key="tensors", label="tensors", decimals=0),
     dict(key="op", label="op"),
@@ -35,6 +37,22 @@ STEP_COLUMNS = [
     dict(key="of_copy", label="of copy bandwidth", unit="fraction", decimals=2),
     dict(key="launches", label="launches", decimals=0),
 ]
+STEP_COLUMNS = [
+    dict(key="shape", label="parameters"),
+    dict(key="tensors", label="tensors", decimals=0),
+    dict(key="op", label="op"),
+    dict(key="impl", label="impl"),
+    dict(key="device_ms", label="device time, median", unit="ms", decimals=3),
+    dict(key="vs_fused", label="device time / torch fused", unit="x", decimals=2),
+    dict(key="host_us", label="host time, median", unit="us", decimals=0),
+    dict(key="host_vs_fused", label="host time / torch fused", unit="x", decimals=2),
+    dict(key="gbps", label="bandwidth", unit="GB/s", decimals=1),
+    dict(key="of_copy", label="of copy bandwidth", unit="fraction", decimals=2),
+    dict(key="launches", label="launches", decimals=0),
+    dict(key="profiled_us", label="profiled device time", unit="us", decimals=0),
+]
+# added where a step's device time could not be taken alone (it waits on the GPU)
+WAITS_COLUMN = dict(key="waits", label="device time includes host time")
 TRAIN_COLUMNS = [
     dict(key="impl", label="impl"),
     dict(key="steps_per_s", label="training", unit="steps/s", decimals=2),
@@ -72,16 +90,35 @@ def kind_of(data):
 
 
 def step_table(meta, rows, file_id):
-    out = [dict(shape=r["shape"], tensors=r["tensors"], op=r["op"], impl=r["impl"],
-                median_ms=r["median_ms"], vs_fused=r["ratio_vs_torch_fused"], gbps=r["gbs"],
-                of_copy=r["frac_of_copy"], launches=r.get("launches")) for r in rows]
+    """The table of a bench_step.py output: device and host time apart where it has them
+    (device_ms), else the single median of earlier versions."""
     dtype = meta.get("dtype", "float32")
-    return dict(id=f"{file_id}-{dtype}", title=f"AdamW and clip + AdamW step, {dtype}",
-                note=("Median over round-robin repetitions. `time / torch fused`: median time over "
-                      "torch `AdamW(fused=True)`'s for the same op. Bandwidth counts the bytes the "
-                      "step must move; `of copy bandwidth` divides it by a copy's measured in the "
-                      "same run."),
-                columns=STEP_COLUMNS, rows=out)
+    table = dict(id=f"{file_id}-{dtype}", title=f"AdamW and clip + AdamW step, {dtype}")
+    if "device_ms" not in rows[0]:
+        out = [dict(shape=r["shape"], tensors=r["tensors"], op=r["op"], impl=r["impl"],
+                    median_ms=r["median_ms"], vs_fused=r["ratio_vs_torch_fused"], gbps=r["gbs"],
+                    of_copy=r["frac_of_copy"], launches=r.get("launches")) for r in rows]
+        return dict(table, columns=STEP_COLUMNS_OLD, rows=out,
+                    note=("Median over round-robin repetitions. `time / torch fused`: median "
+                          "time over torch `AdamW(fused=True)`'s for the same op. Bandwidth "
+                          "counts the bytes the step must move; `of copy bandwidth` divides it "
+                          "by a copy's measured in the same run."))
+    out = [dict(shape=r["shape"], tensors=r["tensors"], op=r["op"], impl=r["impl"],
+                device_ms=r["device_ms"], vs_fused=r["ratio_vs_torch_fused"],
+                host_us=r["host_us"], host_vs_fused=r["host_ratio_vs_torch_fused"],
+                gbps=r["gbs"], of_copy=r["frac_of_copy"], launches=r.get("launches"),
+                profiled_us=r.get("profiled_device_us")) for r in rows]
+    columns = list(STEP_COLUMNS)
+    if not all(r.get("device_covered", True) for r in rows):
+        columns.append(WAITS_COLUMN)
+        for o, r in zip(out, rows):
+            o["waits"] = None if r.get("device_covered", True) else "yes: a host sync"
+    timing = meta.get("timing", "")
+    return dict(table, columns=columns, rows=out,
+                note=("Medians over round-robin repetitions; `/ torch fused`: over torch "
+                      "`AdamW(fused=True)`'s for the same op. Bandwidth counts the bytes the step "
+                      "must move over its device time; `of copy bandwidth` divides it by a "
+                      "copy's measured in the same run. " + timing).strip())
 
 
 def train_table(meta, rows, file_id):
@@ -128,12 +165,14 @@ def main(argv=None):
                          "benchmarks/results/ and regenerate benchmarks/RESULTS.md.")
     parser.add_argument("output", nargs="+", help="the JSON files the scripts wrote")
     parser.add_argument("--machine", required=True,
-                        help="a short name of the machine, e.g. H100 or 2-core CPU (required, no default)")
+                        help="a short name of the machine, e.g. H100 or 2-core CPU (required, no "
+                             "default)")
     parser.add_argument("--hardware", default=None,
                         help="a description of the hardware (default: what the script recorded)")
     parser.add_argument("--results", default=make_results.RESULTS_DIR,
                         help="folder of result files (default: benchmarks/results)")
-    parser.add_argument("--page", default=make_results.PAGE, help="the page to regenerate (default: benchmarks/RESULTS.md)")
+    parser.add_argument("--page", default=make_results.PAGE,
+                        help="the page to regenerate (default: benchmarks/RESULTS.md)")
     args = parser.parse_args(argv)
     commit = current_commit()
     for path in args.output:

@@ -45,7 +45,8 @@ PAGE = os.path.join(HERE, "RESULTS.md")
 PLOTS_DIR = os.path.join(HERE, "plots")
 
 # Fields every result file carries, and every table.
-FILE_FIELDS = ("schema", "id", "section", "device", "machine", "hardware", "date", "commit", "torch",
+FILE_FIELDS = ("schema", "id", "section", "device", "machine", "hardware", "date", "commit",
+               "torch",
                "software", "command", "tables")
 TABLE_FIELDS = ("id", "title", "columns", "rows")
 COLUMN_FIELDS = ("key", "label")
@@ -53,7 +54,8 @@ COLUMN_FIELDS = ("key", "label")
 # Section id -> heading, in page order. A result file names its section by id.
 SECTIONS = [
     ("cpu-adamw-step", "CPU: AdamW and clip + AdamW step (`bench_step.py`)"),
-    ("cpu-dno-train", "CPU: DeepNestedOptimizer training, reference vs titanmac_c (`bench_train.py`)"),
+    ("cpu-dno-train",
+     "CPU: DeepNestedOptimizer training, reference vs titanmac_c (`bench_train.py`)"),
     ("cpu-dno-phase1", "CPU: CMS Phase 1 alone (`bench_phase1.py`)"),
     ("cpu-host", "CPU: host time of a step (`bench_host.py`)"),
     ("cpu-distributed", "CPU: FSDP2-sharded model (`bench_distributed.py`)"),
@@ -62,7 +64,8 @@ SECTIONS = [
     ("cpu-demo", "CPU: demo training (`demo_train.py`)"),
     ("gpu-adamw-step", "GPU (H100): AdamW and clip + AdamW step (`bench_step.py`)"),
     ("gpu-host", "GPU (H100): host time of a step (`bench_host.py`)"),
-    ("gpu-dno-train", "GPU (H100): DeepNestedOptimizer training, reference vs titanmac_c (`bench_train.py`)"),
+    ("gpu-dno-train",
+     "GPU (H100): DeepNestedOptimizer training, reference vs titanmac_c (`bench_train.py`)"),
     ("gpu-profile", "GPU (H100): profile of the optimizer step (`profile_step.py`)"),
 ]
 
@@ -71,11 +74,11 @@ PLOT_TEXT = {
     "bandwidth": "Bandwidth as a fraction of copy bandwidth",
 }
 PLOT_DETAIL = {
-    "step_time_vs_size": ("AdamW and clip + AdamW steps, titanmac_c against torch's fused, foreach and "
-                          "for-loop AdamW; the DeepNestedOptimizer step, titanmac_c against the pure-PyTorch "
-                          "reference (log-log, ms against parameters)"),
-    "bandwidth": ("the bytes each step must move over its time, divided by the bandwidth of a copy of the "
-                  "same size in the same run"),
+    "step_time_vs_size": ("AdamW and clip + AdamW steps, titanmac_c against torch's fused, "
+                          "foreach and for-loop AdamW; the DeepNestedOptimizer step, titanmac_c "
+                          "against the pure-PyTorch reference (log-log, ms against parameters)"),
+    "bandwidth": ("the bytes each step must move over its time, divided by the bandwidth of a "
+                  "copy of the same size in the same run"),
 }
 
 INTRO = """\
@@ -85,13 +88,18 @@ of a table come from one run, the variants interleaved round-robin where the scr
 compare ratios within a table, not absolute times across tables. The CPU figures come from a
 shared 2-core machine whose load moves absolute times between runs, and "round 1 / round 2"
 columns are repeated runs of the same build. Times are medians unless a column says otherwise.
-On the GPU, `bench_step.py` times a step between two CUDA events recorded around it, so a step
-whose host enqueue is slower than its kernels (small models, many tensors) is measured at its host
-time; `bench_train.py` times the optimizer step on the host between two device synchronizes;
-`bench_host.py` and the host columns give the time to enqueue one step after a synchronize; kernel
-launches and host syncs are counted in one profiled step. The data lives in
-[`results/`](results/), one JSON file per machine and run; this page is generated from it by
-`python benchmarks/make_results.py` (`--check` verifies that the page matches the data)."""
+On the GPU, `bench_step.py` reports a step's device time and host time apart: the device time
+between two CUDA events recorded around the step with a spin kernel queued ahead of them, so that
+the GPU is busy when the start event is recorded and the events bracket the kernels alone; the
+host time as one enqueue after a synchronize. Its tables of 2026-11-23 and before have one time,
+from two CUDA events around the step on an idle GPU: that counts the host work before the step's
+first kernel as device time, and measures a step whose host enqueue is slower than its kernels
+(small models, many tensors) at its host time. `bench_train.py` times the optimizer step on the
+host between two device synchronizes; `bench_host.py` and the host columns give the time to
+enqueue one step after a synchronize; kernel launches and host syncs are counted in one profiled
+step. The data lives in [`results/`](results/), one JSON file per machine and run; this page is
+generated from it by `python benchmarks/make_results.py` (`--check` verifies that the page matches
+the data)."""
 
 
 class ResultError(Exception):
@@ -119,7 +127,8 @@ def load(results_dir):
                     raise ResultError(f"{name}: table {t['id']}: column without key/label: {c}")
                 d = c.get("decimals")
                 if isinstance(d, list) and len(d) != len(t["rows"]):
-                    raise ResultError(f"{name}: table {t['id']}: decimals of {c['key']} do not match the rows")
+                    raise ResultError(f"{name}: table {t['id']}: decimals of {c['key']} "
+                                      "do not match the rows")
         data["_file"] = name
         files.append(data)
     ids = [t["id"] for d in files for t in d["tables"]] + [s for s, _ in SECTIONS]
@@ -225,7 +234,8 @@ def render(files, plots):
     if unknown:
         raise ResultError(f"unknown sections {unknown}: add them to SECTIONS in make_results.py")
 
-    out = ["<!-- Generated by benchmarks/make_results.py from benchmarks/results/*.json: edit those",
+    out = ["<!-- Generated by benchmarks/make_results.py from benchmarks/results/*.json: "
+           "edit those",
            "     files and run `python benchmarks/make_results.py`, do not edit this page. -->", "",
            "# Benchmark results", "", INTRO, ""]
 
@@ -266,11 +276,13 @@ def render(files, plots):
 
     if plots:
         out += ['<a id="plots"></a>', "", "## Plots", "",
-                "Written by `python benchmarks/plot_results.py` from the JSON files the benchmark scripts "
-                "write to `benchmarks/out/` (not committed): on the CPU the runs of "
-                "[cpu-adamw-step-fp32](#cpu-adamw-step-fp32), [cpu-dno-train-adamw](#cpu-dno-train-adamw) "
+                "Written by `python benchmarks/plot_results.py` from the JSON files the benchmark "
+                "scripts write to `benchmarks/out/` (not committed): on the CPU the runs of "
+                "[cpu-adamw-step-fp32](#cpu-adamw-step-fp32), "
+                "[cpu-dno-train-adamw](#cpu-dno-train-adamw) "
                 "and [cpu-profile-sizes](#cpu-profile-sizes), on CUDA those of "
-                "[gpu-adamw-step-fp32](#gpu-adamw-step-fp32), [gpu-dno-train-modes](#gpu-dno-train-modes) "
+                "[gpu-adamw-step-fp32](#gpu-adamw-step-fp32), "
+                "[gpu-dno-train-modes](#gpu-dno-train-modes) "
                 "and [gpu-profile-adamw](#gpu-profile-adamw).", ""]
         for name in plots:
             stem, _ = os.path.splitext(name)
@@ -295,7 +307,8 @@ def plot_names(plots_dir):
     def key(name):
         kind, _, device = os.path.splitext(name)[0].rpartition("_")
         return (kinds.index(kind) if kind in kinds else len(kinds), kind, device != "cpu", device)
-    return sorted((os.path.basename(p) for p in glob.glob(os.path.join(plots_dir, "*.png"))), key=key)
+    return sorted((os.path.basename(p) for p in glob.glob(os.path.join(plots_dir, "*.png"))),
+                  key=key)
 
 
 def main(argv=None):
@@ -303,7 +316,8 @@ def main(argv=None):
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true",
                         help="do not write; exit 1 if the page differs from what would be written")
-    parser.add_argument("--results", default=RESULTS_DIR, help="folder of result files (default %(default)s)")
+    parser.add_argument("--results", default=RESULTS_DIR,
+                        help="folder of result files (default %(default)s)")
     parser.add_argument("--out", default=PAGE, help="the page (default %(default)s)")
     parser.add_argument("--plots", default=PLOTS_DIR, help="folder of plots (default %(default)s)")
     args = parser.parse_args(argv)

@@ -9,7 +9,8 @@ Reads (default: every *.json in benchmarks/out/, newest file of each kind per de
   profile_step*.json  benchmarks/profile_step.py  the same per model size (--sizes)
 and writes, per device, into --out (default benchmarks/plots/):
   step_time_vs_size_<device>.png   median step time (ms) against parameters, log-log, one panel
-                                   per operation: titanmac_c, torch and the reference
+                                   per operation: titanmac_c, torch and the reference (bench_step:
+                                   the device time, in files that have it)
   bandwidth_<device>.png           effective bandwidth of each step over the bandwidth of a plain
                                    device copy of the same size measured in the same run
 
@@ -105,6 +106,12 @@ def load(paths):
     return found
 
 
+def step_ms(row):
+    """A bench_step row's time: its device time, or, in files written before bench_step.py timed
+    device and host apart, its one median."""
+    return row["device_ms"] if "device_ms" in row else row["median_ms"]
+
+
 def step_time_series(bundle):
     """{op: {impl: [(params, ms), ...]}} from bench_step, bench_train and profile_step."""
     series = {}
@@ -112,7 +119,7 @@ def step_time_series(bundle):
     if step:
         for r in step["rows"]:
             series.setdefault(r["op"], {}).setdefault(r["impl"], []).append(
-                (_params_of_shape(r), r["median_ms"]))
+                (_params_of_shape(r), step_ms(r)))
     dno = {}
     train = bundle.get("bench_train")
     if train:

@@ -1,7 +1,7 @@
 """DeepNestedOptimizer on CUDA: no host sync inside step() (eager and graph mode, AdamW and CMS
 mode), graph mode matching eager over 100 steps with zero_grad(set_to_none=True) between steps
-(and over 30 in CMS mode), and graph mode resuming after load_state_dict. Skipped without
-CUDA."""
+(and over 30 in CMS mode), graph mode resuming after load_state_dict and capturing again after
+the weights, the parameters or a number it takes from the host changed. Skipped without CUDA."""
 
 import copy
 
@@ -199,3 +199,61 @@ def test_graph_mode_recaptures_after_weights_and_parameters_move(mode, relayout)
     torch.testing.assert_close(graph.get_lr_multipliers(), eager.get_lr_multipliers())
     for a, b in zip(model_g.parameters(), model_e.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["adamw", "cms", "cms_legacy"])
+def test_graph_mode_recaptures_when_a_host_number_changes(mode, monkeypatch):
+    """The numbers a capture takes from the host (max_grad_norm; the weight decay: CMS mode's,
+    or an AdamW group's) changed after the capture, at steps 6 and 8 of 14, and base_lr halved
+    at 9 (it reaches the graphs through a device tensor): graph mode captures the graphs again
+    on real CUDA graphs and follows eager (test_graph_replays_see_the_numbers_of_their_step
+    checks with simulated replays on the CPU that a replay keeping the capture's numbers would
+    not). The legacy network with random weights, so that its context matters."""
+    from titanmac_c.deep_nested.graph import GraphState
+
+    captures = []
+    capture = GraphState._graph_of
+
+    def counted(self, key, calls):
+        if key not in self.graphs:
+            captures.append(key)
+        return capture(self, key, calls)
+
+    monkeypatch.setattr(GraphState, "_graph_of", counted)
+    cms = mode != "adamw"
+    model_e = _model()
+    model_g = copy.deepcopy(model_e)
+    kw = dict(use_cms_updates=cms, use_preprocessing=mode != "cms_legacy",
+              cuda_graph_warmup_steps=2)
+    eager = titanmac_c.DeepNestedOptimizer(model_e, **KW, **kw)
+    graph = titanmac_c.DeepNestedOptimizer(model_g, use_cuda_graph=True, **KW, **kw)
+    if mode == "cms_legacy":  # its output layer starts at 0
+        gen = torch.Generator().manual_seed(4)
+        with torch.no_grad():
+            for w in eager.momentum_mlp.parameters():
+                w.copy_(torch.randn(w.shape, generator=gen).cuda() * 0.3)
+    graph.controller.load_state_dict(eager.controller.state_dict())
+    graph.momentum_mlp.load_state_dict(eager.momentum_mlp.state_dict())
+    changes = {6: lambda opt: setattr(opt, "max_grad_norm", 0.05),
+               9: lambda opt: setattr(opt, "base_lr", opt.base_lr * 0.5)}
+    if cms:
+        changes[8] = lambda opt: setattr(opt, "weight_decay", 0.2)
+    else:
+        changes[8] = lambda opt: opt.base_optimizer.param_groups[-1].update(weight_decay=0.2)
+    batches = synthetic_batches("titanmac", 14, seed=7, device="cuda")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        for model, opt in ((model_e, eager), (model_g, graph)):
+            for step, batch in enumerate(batches, start=1):
+                if step in changes:
+                    changes[step](opt)
+                _train(model, opt, [batch])
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert graph._graph.captured
+    assert len(captures) > len(set(captures)), f"no kind of step captured again: {captures}"
+    torch.testing.assert_close(graph.get_lr_multipliers(), eager.get_lr_multipliers())
+    for a, b in zip(model_g.parameters(), model_e.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    if cms:
+        _assert_momenta_close(model_g, graph, model_e, eager)

@@ -147,6 +147,73 @@ def test_profile_step_tiny_run_writes_both_implementations(tmp_path, capsys):
     assert ref["opt_state_bytes"] > 4 * ours["opt_state_bytes"]
 
 
+# ---------------------------------------------------------------------------- bench_step.py
+
+def test_bench_step_tiny_cpu_run_writes_device_and_host_time(tmp_path, capsys):
+    """Every variant's row carries the device and the host time; on the CPU both are the step's
+    wall time, and the bandwidth and the ratio to torch fused come from the device time. The
+    output goes through add_result.py (both columns in the table) and plot_results.py."""
+    bench_step = _load("bench_step")
+    out = tmp_path / "bench_step_cpu.json"
+    bench_step.main(["--sizes", "100k", "--reps", "2", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert "device ms" in printed and "host us" in printed
+    assert "on the CPU the wall time of the step" in printed
+    data = json.loads(out.read_text())
+    assert "wall time" in data["meta"]["timing"]
+    rows = data["rows"]
+    assert {(r["op"], r["impl"]) for r in rows} == set(bench_step.variants_for(torch.device("cpu")))
+    fused = {r["op"]: r for r in rows if r["impl"] == "torch_fused"}
+    for r in rows:
+        assert r["params"] == 100_000 and r["tensors"] == 20
+        assert r["device_ms"] > 0 and r["device_p90_ms"] >= r["device_ms"]
+        assert r["host_us"] == pytest.approx(r["device_ms"] * 1e3)
+        assert r["device_covered"] is True and r["spin_us"] == 0.0
+        assert r["gbs"] == pytest.approx(
+            bench_step.BYTES_PER_ELEMENT[r["op"]] * 100_000 / (r["device_ms"] / 1e3) / 1e9)
+        assert r["frac_of_copy"] == pytest.approx(r["gbs"] / r["copy_gbs"])
+        assert r["ratio_vs_torch_fused"] == pytest.approx(
+            r["device_ms"] / fused[r["op"]]["device_ms"])
+        assert r["host_ratio_vs_torch_fused"] == pytest.approx(
+            r["host_us"] / fused[r["op"]]["host_us"])
+        assert r["launches"] is None and r["profiled_device_us"] is None
+    add_result = _load("add_result")
+    result = add_result.result_file(data, "2-core CPU", None, "abc1234")
+    (table,) = result["tables"]
+    keys = [c["key"] for c in table["columns"]]
+    assert keys[4:8] == ["device_ms", "vs_fused", "host_us", "host_vs_fused"]
+    assert "waits" not in keys and "wall time" in table["note"]
+    assert [row["device_ms"] for row in table["rows"]] == [r["device_ms"] for r in rows]
+    assert [row["host_us"] for row in table["rows"]] == [r["host_us"] for r in rows]
+    _require_matplotlib()
+    plot_results = _load("plot_results")
+    series = plot_results.step_time_series(plot_results.load([str(out)])["cpu"])
+    assert dict(series["adamw"]["titanmac_c"])[100_000] == pytest.approx(
+        next(r["device_ms"] for r in rows if r["op"] == "adamw" and r["impl"] == "titanmac_c"))
+
+
+def test_bench_step_spin_doubles_until_it_covers_the_step():
+    """The spin ahead of a step doubles, at most three times, until it outlasts the step's host
+    work; a step that waits on the GPU is never covered and keeps the last try."""
+    bench_step = _load("bench_step")
+    tries = []
+
+    def timer(fn, spin):
+        tries.append(spin)
+        return spin * 10, spin >= 0.0035  # (seconds, covered) as Timer returns them
+
+    assert bench_step.device_seconds(timer, None, 0.001) == (0.04, True, 0.004)
+    assert tries == [0.001, 0.002, 0.004]
+    tries.clear()
+    assert bench_step.device_seconds(timer, None, 0.0001) == (0.008, False, 0.0008)
+    assert tries == [0.0001, 0.0002, 0.0004, 0.0008]
+    tries.clear()
+    assert bench_step.device_seconds(timer, None, 0.0001, retry=False) == (0.001, False, 0.0001)
+    assert tries == [0.0001]
+    assert bench_step.first_spin(torch.device("cuda"), 0.001) == pytest.approx(0.00205)
+    assert bench_step.first_spin(torch.device("cpu"), 0.001) == 0.0
+
+
 # ---------------------------------------------------------------------------- plot_results.py
 
 def _require_matplotlib():

@@ -132,7 +132,8 @@ def test_a_benchmark_scripts_output_becomes_a_result_file_and_a_table(tmp_path):
     rows = [dict(shape="titanmac", params=3_237_888, tensors=48, op="adamw", impl=impl,
                  median_ms=ms, ratio_vs_torch_fused=ms / 0.546, gbs=gbs, frac_of_copy=gbs / 3000,
                  copy_gbs=3000.0, launches=n)
-            for impl, ms, gbs, n in (("titanmac_c", 0.367, 247.0, 1), ("torch_fused", 0.546, 166.0, 4))]
+            for impl, ms, gbs, n in (("titanmac_c", 0.367, 247.0, 1),
+                                     ("torch_fused", 0.546, 166.0, 4))]
     step = tmp_path / "bench_step_cuda.json"
     step.write_text(json.dumps(dict(meta=meta, rows=rows)))
     train_meta = dict(device="cpu", torch="2.13.0", titanmac_c="0.2.0", threads=2, mode="cms",
@@ -145,8 +146,8 @@ def test_a_benchmark_scripts_output_becomes_a_result_file_and_a_table(tmp_path):
     train = tmp_path / "bench_train_cpu.json"
     train.write_text(json.dumps(dict(meta=train_meta, rows=train_rows)))
     page = tmp_path / "RESULTS.md"
-    done = subprocess.run([sys.executable, os.path.join(BENCH, "add_result.py"), str(step), str(train),
-                           "--machine", "H200 test", "--results", str(results),
+    done = subprocess.run([sys.executable, os.path.join(BENCH, "add_result.py"), str(step),
+                           str(train), "--machine", "H200 test", "--results", str(results),
                            "--page", str(page)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     written = json.loads((results / "h200-test-2026-12-03-step.json").read_text())
@@ -161,3 +162,44 @@ def test_a_benchmark_scripts_output_becomes_a_result_file_and_a_table(tmp_path):
         'id="h200-test-2026-12-03-step-float32"' in text
     assert "| titanmac | 48 | adamw | titanmac_c | 0.367 | 0.67 | 247.0 | 0.08 | 1 |" in text
     assert "| titanmac_c | 9.90 | 10.000 | 10.700 | - | - | 86.5 | 444.0 | 2.80000 |" in text
+
+
+def test_a_step_output_with_device_and_host_time_becomes_a_table(tmp_path):
+    """bench_step.py's output with the device and host time apart (device_ms, host_us) gives a
+    table with both, each with its ratio to torch fused, the profiled device time, and a column
+    naming a step whose device time includes host time (a host sync); the page shows them."""
+    results = tmp_path / "results"
+    results.mkdir()
+    timing = "device ms: CUDA events around the step with a spin kernel queued ahead"
+    meta = dict(device="cuda:0", dtype="float32", torch="2.13.0", titanmac_c="0.3.0",
+                threads=16, gpu="NVIDIA H200", date="2026-12-04", timing=timing,
+                command="python benchmarks/bench_step.py --device cuda --sizes gpt2")
+    rows = [dict(shape="gpt2", params=124_439_808, tensors=148, op=op, impl=impl,
+                 device_ms=ms, device_p90_ms=ms, device_covered=covered, spin_us=1200.0,
+                 host_us=host, ratio_vs_torch_fused=ratio, host_ratio_vs_torch_fused=hratio,
+                 gbs=gbs, frac_of_copy=gbs / 4000, copy_gbs=4000.0, launches=n,
+                 profiled_device_us=prof)
+            for op, impl, ms, covered, host, ratio, hratio, gbs, n, prof in (
+                ("adamw", "titanmac_c", 1.163, True, 558.0, 0.71, 0.58, 2996.0, 1, 1150.0),
+                ("adamw", "torch_fused", 1.635, True, 969.0, 1.0, 1.0, 2131.0, 11, 1600.0),
+                ("amp+adamw", "torch_foreach", 9.5, False, 4000.0, 2.5, 1.7, 524.0, 70, 6000.0))]
+    step = tmp_path / "bench_step_cuda.json"
+    step.write_text(json.dumps(dict(meta=meta, rows=rows)))
+    page = tmp_path / "RESULTS.md"
+    done = subprocess.run([sys.executable, os.path.join(BENCH, "add_result.py"), str(step),
+                           "--machine", "H200 test", "--results", str(results),
+                           "--page", str(page)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    written = json.loads((results / "h200-test-2026-12-04-step.json").read_text())
+    (table,) = written["tables"]
+    assert [c["key"] for c in table["columns"]] == [
+        "shape", "tensors", "op", "impl", "device_ms", "vs_fused", "host_us", "host_vs_fused",
+        "gbps", "of_copy", "launches", "profiled_us", "waits"]
+    assert timing in table["note"]
+    text = page.read_text()
+    assert ("| device time, median (ms) | device time / torch fused (x) | host time, median (us) "
+            "| host time / torch fused (x) |") in text
+    assert "| gpt2 | 148 | adamw | titanmac_c | 1.163 | 0.71 | 558 | 0.58 | 2996.0 | 0.75 | 1 | " \
+           "1150 | - |" in text
+    assert "| gpt2 | 148 | amp+adamw | torch_foreach | 9.500 | 2.50 | 4000 | 1.70 | 524.0 | 0.13 " \
+           "| 70 | 6000 | yes: a host sync |" in text
