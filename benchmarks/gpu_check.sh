@@ -25,6 +25,9 @@
 #        which tests they got through; summary.txt gives each step's seconds. STEPS=all runs
 #        every step (without BUDGET; MEMCHECK_TESTS=tests: the whole suite under memcheck).
 # Env:   TITANMAC_CUDA_ARCHS  defaults to the compute capability of GPU 0 (fast build)
+#        WHEEL                a binary wheel (.whl) to install with pip --no-deps instead of
+#                             building: the one wheel CI builds, checked on this machine's
+#                             Python and torch (the arch test expects setup.py's default archs)
 #        OUT                  folder for logs and JSON (default benchmarks/out)
 #        STEPS                which checks to run, always in the script's order (default: "build
 #                             tests bench train train_cms train_legacy memcheck_graph memcheck
@@ -85,6 +88,11 @@ step() {  # step NAME COMMAND...: run, log to $OUT/NAME.log, remember pass/fail 
     TOOK[$name]=$((SECONDS - start))
 }
 
+if [ -n "${WHEEL:-}" ]; then
+    # the wheel holds the default archs: the arch test checks them, not this GPU's alone
+    TITANMAC_CUDA_ARCHS=$(sed -n 's/^DEFAULT_ARCHS = "\(.*\)"$/\1/p' setup.py)
+    export TITANMAC_CUDA_ARCHS
+fi
 if [ -z "${TITANMAC_CUDA_ARCHS:-}" ]; then
     cap=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n1 | tr -d .)
     export TITANMAC_CUDA_ARCHS=${cap:-90}
@@ -92,7 +100,11 @@ fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 
-step build env TITANMAC_WITH_CUDA=1 python3 -m pip install --no-build-isolation --no-deps -q .
+if [ -n "${WHEEL:-}" ]; then  # a binary wheel built elsewhere, installed as it is: no build
+    step build python3 -m pip install --no-index --no-deps --force-reinstall -q "$WHEEL"
+else
+    step build env TITANMAC_WITH_CUDA=1 python3 -m pip install --no-build-isolation --no-deps -q .
+fi
 # torch's optimizer test inputs (tests/adamw/test_torch_optim_db.py) need expecttest, which an
 # offline machine may lack: wheels carried in .whl/ (pip download expecttest -d .whl) install
 # here; without them those tests are reported as skipped.
