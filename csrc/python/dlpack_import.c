@@ -381,11 +381,12 @@ py_import_list(py_batch *b, PyObject *seq, const char *name, int allow_none, tm_
         return -1;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (i >= py_seq_size(seq)) { /* __dlpack__ may run any Python code */
+        PyObject *item = py_seq_item(seq, i);
+        if (item == NULL) { /* IndexError: __dlpack__ may run any Python code */
             PyErr_Format(PyExc_RuntimeError, "%s: the list changed size during the call", name);
             return -1;
         }
-        PyObject *item = Py_NewRef(py_seq_item(seq, i));
+        Py_INCREF(item);
         int rc = import_labelled(b, item, (py_label){name, i}, 0, &t[i], NULL, NULL);
         Py_DECREF(item);
         if (rc < 0) {

@@ -97,6 +97,36 @@ def test_not_a_tensor_is_type_error():
         _C._import(3.0)
 
 
+class _ShrinksItsList:
+    """A tensor whose __dlpack__ first removes the last entry of the list it is in: Python code
+    a producer may run while the binding walks that list."""
+
+    def __init__(self, tensor, holder):
+        self.tensor, self.holder = tensor, holder
+
+    def __dlpack__(self, **kwargs):
+        self.holder.pop()
+        return self.tensor.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self.tensor.__dlpack_device__()
+
+
+def test_a_list_that_shrinks_while_it_is_read_is_refused_before_any_write():
+    ps = [torch.ones(3), torch.ones(3)]
+    params = [None, ps[1]]
+    params[0] = _ShrinksItsList(ps[0], params)
+    grads = [torch.ones(3), torch.ones(3)]
+    m, v = [torch.zeros(3), torch.zeros(3)], [torch.zeros(3), torch.zeros(3)]
+    steps = [torch.zeros(()), torch.zeros(())]
+    with pytest.raises(RuntimeError, match=r"^params: the list changed size during the call$"):
+        _C.adamw_step(params, grads, m, v, [], steps, torch.full((1,), 0.1),
+                      [(0.9, 0.999, 1e-8, 0.0, False)])
+    assert len(params) == 1
+    assert all(torch.equal(p, torch.ones(3)) for p in ps)
+    assert all(torch.equal(s, torch.zeros(())) for s in steps)
+
+
 def test_intake_mode():
     assert _C.dlpack_intake() in ("exchange", "protocol")
     if hasattr(torch.Tensor, "__dlpack_c_exchange_api__") and \
