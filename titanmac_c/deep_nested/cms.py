@@ -140,7 +140,8 @@ class CMSMode:
         training on the first 20 tensors with a gradient. Its input is the level-0 accumulator,
         zero at this point in the reference (B1). On the CPU the loss's gradient comes from the
         C core (tm_cms_surrogate); on CUDA from its algorithm in torch ops
-        (surrogate.surrogate_gradient)."""
+        (surrogate.surrogate_gradient), or with phase1_core from the C core, the MLP's Adam step
+        then by the C core's AdamW too (_core_phase1; graph mode: phase1_graph_call)."""
         self.phase1_undo = None  # set when this step's Phase 1 wrote: undone if Phase 2 fails
         if not self.phase1_due(step):
             return
@@ -149,6 +150,8 @@ class CMSMode:
         selected = self._phase1_selection(step)
         if not selected:
             return
+        if self._core_on_device():
+            self.core.adam.check(step.mlp_optimizer)  # refused before anything is written
         # an exception from here until Phase 2 has written (torch's optimizer hooks run in the
         # MLP's Adam step; a tensor's __dlpack__; a signal) is undone by the caller with this
         self.phase1_undo = self._phase1_undo(step)
@@ -179,7 +182,6 @@ class CMSMode:
         reference's clip, and mlp_optimizer's step by the C core's AdamW between torch's step
         hooks of mlp_optimizer (its own and the global ones), as its step() runs them."""
         mlp, optimizer = step.momentum_mlp, step.mlp_optimizer
-        self.core.adam.check(optimizer)  # refused before the gradient is written
         call = self._core_call(selected, mlp, static=False)
         call.run()
 
