@@ -429,10 +429,12 @@ def _assert_same_bits(got, want, what):
             f"max |diff| {float((a.double() - b.double()).abs().nan_to_num().max())}")
 
 
-@pytest.mark.parametrize("hidden,layers", [(20, 2), (7, 1), (20, 3), (13, 2), (20, 8)])
+@pytest.mark.parametrize("hidden,layers", [(20, 2), (7, 1), (20, 3), (13, 2), (20, 8)],
+                         ids=["h20-l2", "h7-l1", "h20-l3", "h13-l2", "h20-l8"])
 @pytest.mark.parametrize("kind,dtype", [
     ("zero", torch.float32), ("grad", torch.float32), ("grad", torch.bfloat16),
-    ("grad", torch.float16), ("grad", torch.float64), ("tiny", torch.float32)])
+    ("grad", torch.float16), ("grad", torch.float64), ("tiny", torch.float32)],
+    ids=["zero", "grad-f32", "grad-bf16", "grad-f16", "grad-f64", "tiny"])
 @pytest.mark.parametrize("_", [pytest.param(None, marks=CUDA_ONLY, id="cuda")])
 def test_cuda_op_matches_the_cpu_op_bit_for_bit(hidden, layers, kind, dtype, _):
     """tm_cms_surrogate on CUDA runs the CPU's blocks, lanes and sums with the same element math
