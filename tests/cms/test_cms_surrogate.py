@@ -570,7 +570,8 @@ def _scratch_in_an_output(a, k):
     (_small_scratch, ValueError, r"scratch: CUDA needs \d+ bytes, got"),
     (_cpu_scratch, BufferError, r"scratch: on cpu, but the tensors are on cuda"),
     (_scratch_in_an_output, ValueError, r"scratch: shares memory with outputs\[5\]"),
-])
+], ids=["cpu-scale", "cpu-momentum", "cpu-weight-grad", "cpu-losses", "no-scratch",
+        "small-scratch", "cpu-scratch", "scratch-in-an-output"])
 @pytest.mark.parametrize("_", [pytest.param(None, marks=CUDA_ONLY, id="cuda")])
 def test_cuda_op_refuses_mixed_devices_and_bad_scratch_writing_nothing(mutate, exc, match, _):
     """A tensor on another device than the targets, scratch missing, too small, on the CPU or
