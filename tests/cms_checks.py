@@ -53,6 +53,15 @@ def cms_pair(device, model=None, **kw):
     return pair
 
 
+def set_phase1_path(opt, path):
+    """How ours runs CMS Phase 1 (CMSMode): "cpu" (the CPU's way: the C op, the skip flag read
+    on the host), "torch" (CUDA's default: torch ops, the skip applied on the device), "core"
+    (TITANMAC_CUDA_PHASE1=core: the C op and the C core's AdamW for the MLP's Adam step, the skip
+    applied on the device). Any of them on either device."""
+    opt._cms_mode.phase1_cpu_path = path == "cpu"
+    opt._cms_mode.phase1_core = path == "core"
+
+
 def cms_step(model, opt, batch, step, inject=True):
     opt.zero_grad()
     loss = loss_fn(model, batch)

@@ -230,6 +230,28 @@ tm_fadd(float a, float b)
 #endif
 }
 
+/* The same in double: sums of products that both backends must round alike (nvcc contracts
+ * a * b + c in double too). */
+TM_HOST_DEVICE double
+tm_dmul(double a, double b)
+{
+#if defined(__CUDA_ARCH__)
+    return __dmul_rn(a, b);
+#else
+    return a * b;
+#endif
+}
+
+TM_HOST_DEVICE double
+tm_dadd(double a, double b)
+{
+#if defined(__CUDA_ARCH__)
+    return __dadd_rn(a, b);
+#else
+    return a + b;
+#endif
+}
+
 /* Host constants of one control step, each rounded to float once as torch rounds a Python float
  * scalar into a float32 op. */
 typedef struct {

@@ -117,11 +117,7 @@ tm_cms_surrogate(const tm_cms_surrogate_tensors *t, const tm_cms_surrogate_args 
     tm_clear_error();
     TM_TRY(tm_validate_cms_surrogate(t, args, in, exec, &ref));
     if (on_cuda(&ref)) {
-        char dev[TM_DEVICE_TEXT];
-        return tm_set_error(TM_ERR_UNSUPPORTED, __FILE__, __LINE__,
-                            "%s: on %s, but tm_cms_surrogate runs on the CPU only (on CUDA the "
-                            "DeepNestedOptimizer runs it in torch ops)",
-                            ref.label, tm_device_text(ref.tensor, dev));
+        return TM_ON_CUDA(cuda_cms_surrogate(t, args, in, exec), &ref);
     }
     return cpu_cms_surrogate(t, args, in, exec);
 }

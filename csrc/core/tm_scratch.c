@@ -57,5 +57,8 @@ tm_cms_scratch_bytes(const tm_tensor_list *params, int32_t levels, tm_cms_net ne
 size_t
 tm_cms_surrogate_scratch_bytes(const tm_tensor_list *targets, int32_t layers)
 {
-    return list_on_cuda(targets) ? 0 : cpu_cms_surrogate_scratch_bytes(targets, layers);
+    if (list_on_cuda(targets)) {
+        return TM_CUDA_BYTES(cuda_cms_surrogate_scratch_bytes(targets, layers));
+    }
+    return cpu_cms_surrogate_scratch_bytes(targets, layers);
 }

@@ -18,14 +18,8 @@
  *   W  serial:   the other tensors' losses; the partials summed in block order, over every
  *                tensor, into weight_grads
  *
- * The loss terms and their gradients (the reference's branches on the norms, eps = 1e-8, each
- * taken as torch's autograd differentiates it; a norm of 0 has gradient 0):
- *   R = 1 - cos(o, g) when ||g|| > eps and ||o|| > eps (else 0; F.cosine_similarity clamps each
- *       norm to >= eps, a no-op here), P = ||o|| ||g||:  d/do = -g / P + (o.g) o / (||o||^2 P)
- *   M = (||o|| / ||g|| - 1)^2 when ||g|| > eps:  d/do = 2 (||o|| / ||g|| - 1) o / (||g|| ||o||)
- *   M = ||o||^2 otherwise:                        d/do = 2 o
- *   T = mean((o - prev)^2) when has_prev:          d/do = 2 (o - prev) / numel
- *   loss = R + 0.1 M + 0.1 T, and the coefficients carry the 1 / count of the mean over tensors.
+ * The loss, its gradient with respect to o, the element math and the order of every sum are
+ * tm_cms_surrogate.h's, shared with the CUDA kernels (cuda/cms_surrogate.cu): the same bits.
  *
  * Scratch: double parts[blocks][4 + gradient entries] (the sums, then the gradient), then
  * sur_coefs[count].
@@ -38,7 +32,7 @@
 /* Per tensor: d loss / d o's coefficients (with the 1 / count of the mean over tensors),
  * whether pass N runs for it, its first block. */
 typedef struct {
-    float o, g, t;
+    tm_sur_coefs c;
     int32_t normed;
     int64_t first;
 } sur_coefs;
@@ -60,7 +54,7 @@ static int64_t
 parts_per_block(int32_t layers)
 {
     const int32_t l = layers < 1 ? 1 : (layers > TM_CMS_MAX_LAYERS ? TM_CMS_MAX_LAYERS : layers);
-    return CPU_SUR_NORM_PARTS + cpu_sur_grad_entries(l);
+    return TM_SUR_NORM_PARTS + tm_sur_grad_entries(l);
 }
 
 size_t
@@ -84,7 +78,7 @@ static void
 sum_blocks(const sur_ctx *x, int32_t i, double *s)
 {
     cpu_sum_blocks(x->parts + x->coefs[i].first * x->stride, x->stride,
-                   cpu_blocks_of(x->t->targets.tensors[i].numel), CPU_SUR_NORM_PARTS, s);
+                   cpu_blocks_of(x->t->targets.tensors[i].numel), TM_SUR_NORM_PARTS, s);
 }
 
 static void
@@ -103,9 +97,9 @@ sur_segment(void *vctx, int32_t i, int64_t b0, int64_t b1, int64_t global_block)
         .net = x->net,
         .w_hid_t = x->w_hid_t,
     };
-    blk.coef_o = x->coefs[i].o;
-    blk.coef_g = x->coefs[i].g;
-    blk.coef_t = x->coefs[i].t;
+    blk.coef_o = x->coefs[i].c.o;
+    blk.coef_g = x->coefs[i].c.g;
+    blk.coef_t = x->coefs[i].c.t;
     for (int64_t b = b0; b < b1; b++) {
         int64_t off;
         blk.n = cpu_segment_elems(target->numel, b, b + 1, &off);
@@ -117,64 +111,20 @@ sur_segment(void *vctx, int32_t i, int64_t b0, int64_t b1, int64_t global_block)
     }
 }
 
-/* Steps L and W for one tensor: its loss, and d loss / d o's coefficients (/ count) into c
- * (which need only sum g^2 where ||g|| <= eps). */
-static float
-loss_and_coefs(const double *s, int64_t numel, int has_prev, int32_t count, sur_coefs *c)
-{
-    const double eps = 1e-8;
-    const double on = sqrt(s[CPU_SUR_OO]);
-    const double gn = sqrt(s[CPU_SUR_GG]);
-    const double og = s[CPU_SUR_OG];
-    const int g_ok = gn > eps;
-    double loss = 0.0, co = 0.0, cg = 0.0, ct = 0.0;
-    if (g_ok && on > eps) {
-        const double p = on * gn;
-        loss = 1.0 - og / p;
-        cg = -1.0 / p;
-        co = og / (on * on * p);
-    }
-    if (g_ok) {
-        const double r = on / gn - 1.0;
-        loss += 0.1 * (r * r);
-        co += on > 0.0 ? 0.1 * 2.0 * r / (gn * on) : 0.0;
-    } else {
-        loss += 0.1 * (on * on);
-        co += 0.1 * 2.0;
-    }
-    if (has_prev) {
-        loss += 0.1 * (s[CPU_SUR_TT] / (double)numel);
-        ct = 0.1 * 2.0 / (double)numel;
-    }
-    c->o = (float)(co / count);
-    c->g = (float)(cg / count);
-    c->t = (float)(ct / count);
-    return (float)loss;
-}
-
 /* Step W: every entry of the padded layout summed over all blocks, into its weight's real
- * entry. */
+ * entry (tm_sur_entry_index). */
 static void
 write_grads(const sur_ctx *x, int64_t blocks, int32_t hidden, int32_t layers)
 {
-    const int32_t mh = TM_CMS_DIRECT_MAX_HIDDEN;
-    double grad[CPU_SUR_MAX_GRAD_ENTRIES];
-    cpu_sum_blocks(x->parts + CPU_SUR_NORM_PARTS, x->stride, blocks,
-                   cpu_sur_grad_entries(layers), grad);
-    int64_t q = 0; /* ends at cpu_sur_grad_entries(layers) */
-    for (int32_t k = 0; k < x->t->weight_grads.count; k++) {
-        const int last = k >= 2 * layers;
-        const int32_t rows = k % 2 == 1 ? 1 : (last ? 1 : mh);    /* padded [rows][cols] */
-        const int32_t cols = k % 2 == 1 ? (last ? 1 : mh) : (k == 0 ? TM_CMS_DIRECT_IN : mh);
-        const int32_t h_rows = rows == 1 ? 1 : hidden;
-        const int32_t h_cols = cols == mh ? hidden : cols;
-        float *out = x->t->weight_grads.tensors[k].data;
-        for (int32_t r = 0; r < h_rows; r++) {
-            for (int32_t c = 0; c < h_cols; c++) {
-                out[r * h_cols + c] = (float)grad[q + (int64_t)r * cols + c];
-            }
+    const int64_t entries = tm_sur_grad_entries(layers);
+    double grad[TM_SUR_MAX_GRAD_ENTRIES];
+    cpu_sum_blocks(x->parts + TM_SUR_NORM_PARTS, x->stride, blocks, entries, grad);
+    for (int64_t q = 0; q < entries; q++) {
+        int32_t k;
+        const int64_t at = tm_sur_entry_index(tm_sur_entry_at(q, layers), hidden, layers, &k);
+        if (at >= 0) {
+            ((float *)x->t->weight_grads.tensors[k].data)[at] = (float)grad[q];
         }
-        q += (int64_t)rows * cols;
     }
 }
 
@@ -242,10 +192,10 @@ cpu_cms_surrogate(const tm_cms_surrogate_tensors *t, const tm_cms_surrogate_args
     const cpu_cms_kernels *k = cpu_active_kernels()->cms;
     x.fn = k->sur_gsq;
     cpu_for_each_block(&t->targets, exec, sur_segment, &x);
-    double s[CPU_SUR_NORM_PARTS];
+    double s[TM_SUR_NORM_PARTS];
     for (int32_t i = 0; i < count; i++) {
         sum_blocks(&x, i, s);
-        x.coefs[i].normed = sqrt(s[CPU_SUR_GG]) > 1e-8;
+        x.coefs[i].normed = sqrt(s[TM_SUR_GG]) > TM_SUR_EPS;
     }
     x.fn = k->sur_norms;
     x.only_normed = 1;
@@ -255,19 +205,19 @@ cpu_cms_surrogate(const tm_cms_surrogate_tensors *t, const tm_cms_surrogate_args
     for (int32_t i = 0; i < count; i++) {
         sum_blocks(&x, i, s);
         if (!x.coefs[i].normed) { /* the coefficients need only sum g^2; the loss comes later */
-            s[CPU_SUR_OO] = s[CPU_SUR_OG] = s[CPU_SUR_TT] = 0.0;
+            s[TM_SUR_OO] = s[TM_SUR_OG] = s[TM_SUR_TT] = 0.0;
         }
-        losses[i] = loss_and_coefs(s, t->targets.tensors[i].numel, has_prev(a, i), count,
-                                   &x.coefs[i]);
+        losses[i] = tm_sur_loss(s, t->targets.tensors[i].numel, has_prev(a, i), count,
+                                &x.coefs[i].c);
     }
     x.fn = k->sur_grads;
     cpu_for_each_block(&t->targets, exec, sur_segment, &x);
     for (int32_t i = 0; i < count; i++) {
         if (!x.coefs[i].normed) {
-            sur_coefs same;
+            tm_sur_coefs same;
             sum_blocks(&x, i, s);
-            losses[i] = loss_and_coefs(s, t->targets.tensors[i].numel, has_prev(a, i), count,
-                                       &same);
+            losses[i] = tm_sur_loss(s, t->targets.tensors[i].numel, has_prev(a, i), count,
+                                    &same);
         }
     }
     write_grads(&x, blocks, a->hidden, a->layers);

@@ -3,7 +3,9 @@
  * DirectUpdateMLP's surrogate training gradient, spec deep_nested_optimizer.md 7.2 and 7.4),
  * compiled per instruction set: cpu_cms_loops_impl.h includes it after its tile layer, whose
  * forward both passes reuse (so o is Phase 2's MLP output for the same inputs).
- * cpu_cms_surrogate.c drives the passes and has the loss's formulas. Tiles of CMS_TILE elements,
+ * cpu_cms_surrogate.c drives the passes; the element math, the loss's formulas, the order of
+ * every sum and the gradient's layout are tm_cms_surrogate.h's (shared with the CUDA kernels,
+ * cuda/cms_surrogate.cu). Tiles of CMS_TILE elements,
  * one SIMD lane per element (a block's last tile is padded with zero inputs and o = 0, whose loss
  * gradient is 0: exact zeros in every sum):
  *   g^2 pass:      sum g^2 (no MLP)
@@ -22,6 +24,7 @@
 #endif
 
 #define SUR_MH TM_CMS_DIRECT_MAX_HIDDEN
+_Static_assert(CPU_ACC == TM_SUR_LANES, "a block's lanes are tm_cms_surrogate.h's");
 
 typedef struct {
     float g[CMS_TILE];
@@ -32,14 +35,11 @@ typedef struct {
     float out[CMS_TILE];                                  /* o */
 } sur_tile;
 
-/* g = target * scale / divisor, the reference's float ops in its order; a non-finite g counts
- * as 0 (a NaN or Inf gradient element, or any element of a step the guard skipped when the caller
- * passes scale 0: it would turn the MLP's weights NaN for good, titanmac.h). */
+/* g = target * scale / divisor (tm_sur_g). */
 CPU_INLINE float
 sur_g(const cpu_sur_block *b, float target)
 {
-    const float g = tm_fdiv(tm_fmul(target, b->scale), b->divisor);
-    return fabsf(g) <= FLT_MAX ? g : 0.0f;
+    return tm_sur_g(target, b->scale, b->divisor);
 }
 
 /* g = target * scale / divisor, prev and the four features of elements [s, s + cnt). A partial
@@ -130,8 +130,8 @@ sur_tile_loss_sums(const sur_tile *t, double (*restrict oo)[CPU_ACC],
         for (int j = 0; j < CPU_ACC; j++) {
             const double o = t->out[e + j];
             const double d = tm_fadd(t->out[e + j], -t->prev[e + j]);
-            oo[0][j] += o * o;
-            tt[0][j] += d * d;
+            oo[0][j] = tm_sur_acc(oo[0][j], o, o);
+            tt[0][j] = tm_sur_acc(tt[0][j], d, d);
         }
     }
 }
@@ -146,23 +146,23 @@ sur_gsq(const cpu_sur_block *b, tm_dtype dt)
 #pragma GCC unroll 8
         for (int j = 0; j < CPU_ACC; j++) {
             const double g = sur_g(b, load_elem(b->target, i + j, dt));
-            acc[j] += g * g;
+            acc[j] = tm_sur_acc(acc[j], g, g);
         }
     }
     for (int64_t i = full; i < b->n; i++) {
         const double g = sur_g(b, load_elem(b->target, i, dt));
-        acc[i % CPU_ACC] += g * g;
+        acc[i % CPU_ACC] = tm_sur_acc(acc[i % CPU_ACC], g, g);
     }
-    b->parts[CPU_SUR_GG] = cms_join(acc);
+    b->parts[TM_SUR_GG] = tm_sur_join(acc);
     /* the other sums start at 0: passes N and G write those they compute */
-    b->parts[CPU_SUR_OO] = b->parts[CPU_SUR_OG] = b->parts[CPU_SUR_TT] = 0.0;
+    b->parts[TM_SUR_OO] = b->parts[TM_SUR_OG] = b->parts[TM_SUR_TT] = 0.0;
 }
 
 CPU_INLINE void
 sur_norms(const cpu_sur_block *b, tm_dtype dt)
 {
     sur_tile t;
-    double acc[CPU_SUR_NORM_PARTS][CPU_ACC] = {{0.0}};
+    double acc[TM_SUR_NORM_PARTS][CPU_ACC] = {{0.0}};
     for (int64_t s = 0; s < b->n; s += CMS_TILE) {
         const int cnt = b->n - s < CMS_TILE ? (int)(b->n - s) : CMS_TILE;
         sur_tile_inputs(b, s, cnt, dt, &t);
@@ -170,14 +170,14 @@ sur_norms(const cpu_sur_block *b, tm_dtype dt)
         for (int e = 0; e < CMS_TILE; e += CPU_ACC) {
 #pragma GCC unroll 8
             for (int j = 0; j < CPU_ACC; j++) {
-                acc[CPU_SUR_OG][j] += (double)t.out[e + j] * (double)t.g[e + j];
+                acc[TM_SUR_OG][j] = tm_sur_acc(acc[TM_SUR_OG][j], t.out[e + j], t.g[e + j]);
             }
         }
-        sur_tile_loss_sums(&t, acc + CPU_SUR_OO, acc + CPU_SUR_TT);
+        sur_tile_loss_sums(&t, acc + TM_SUR_OO, acc + TM_SUR_TT);
     }
-    b->parts[CPU_SUR_OO] = cms_join(acc[CPU_SUR_OO]);
-    b->parts[CPU_SUR_OG] = cms_join(acc[CPU_SUR_OG]);
-    b->parts[CPU_SUR_TT] = cms_join(acc[CPU_SUR_TT]); /* parts[CPU_SUR_GG] stays sur_gsq's */
+    b->parts[TM_SUR_OO] = tm_sur_join(acc[TM_SUR_OO]);
+    b->parts[TM_SUR_OG] = tm_sur_join(acc[TM_SUR_OG]);
+    b->parts[TM_SUR_TT] = tm_sur_join(acc[TM_SUR_TT]); /* parts[TM_SUR_GG] stays sur_gsq's */
 }
 
 /* acc[j * cols + k][lane] += d[j][e] x[k][e] over the tile (e % CPU_ACC = lane), for rows j in
@@ -297,11 +297,10 @@ CPU_INLINE void
 sur_tile_dout(const cpu_sur_block *b, int64_t s, int cnt, const sur_tile *t,
               float (*restrict dout)[CMS_TILE])
 {
+    const tm_sur_coefs c = {b->coef_o, b->coef_g, b->coef_t};
     TM_SIMD
     for (int e = 0; e < CMS_TILE; e++) {
-        const float o = t->out[e];
-        const float d = tm_fadd(tm_fmul(b->coef_o, o), tm_fmul(b->coef_g, t->g[e]));
-        dout[0][e] = tm_fadd(d, tm_fmul(b->coef_t, tm_fadd(o, -t->prev[e])));
+        dout[0][e] = tm_sur_dout(&c, t->out[e], t->g[e], t->prev[e]);
     }
     float *restrict out = b->out + s;
     for (int e = 0; e < cnt; e++) {
@@ -326,7 +325,7 @@ sur_tile_down(const float *wt, const float (*restrict x)[CMS_TILE],
 }
 
 /* The backward of one tile, from dout = dloss/do: the weights' gradients accumulated into acc
- * (the module-order layout of cpu_sur_grad_entries, lane e % 8 of each entry). */
+ * (the module-order layout of tm_sur_entry_at, lane e % 8 of each entry). */
 CPU_INLINE void
 sur_tile_backward(const cpu_sur_block *b, const sur_tile *t, const float (*dout)[CMS_TILE],
                   float (*acc)[CPU_ACC])
@@ -368,10 +367,10 @@ sur_grads(const cpu_sur_block *b, tm_dtype dt)
 {
     const tm_cms_direct_net *net = b->net;
     const int32_t layers = net->layers;
-    const int64_t entries = cpu_sur_grad_entries(layers);
+    const int64_t entries = tm_sur_grad_entries(layers);
     sur_tile t;
     float dout[1][CMS_TILE];
-    float acc[CPU_SUR_MAX_GRAD_ENTRIES][CPU_ACC];
+    float acc[TM_SUR_MAX_GRAD_ENTRIES][CPU_ACC];
     double sums[2][CPU_ACC] = {{0.0}}; /* o^2, (o - prev)^2: the loss of a tensor whose norms
                                           pass was skipped */
     memset(acc, 0, (size_t)entries * sizeof acc[0]); /* the entries of these layers only */
@@ -383,15 +382,15 @@ sur_grads(const cpu_sur_block *b, tm_dtype dt)
         sur_tile_loss_sums(&t, sums, sums + 1);
         sur_tile_backward(b, &t, (const float (*)[CMS_TILE])dout, acc);
     }
-    b->parts[CPU_SUR_OO] = cms_join(sums[0]);
-    b->parts[CPU_SUR_TT] = cms_join(sums[1]);
-    double *grad = b->parts + CPU_SUR_NORM_PARTS;
+    b->parts[TM_SUR_OO] = tm_sur_join(sums[0]);
+    b->parts[TM_SUR_TT] = tm_sur_join(sums[1]);
+    double *grad = b->parts + TM_SUR_NORM_PARTS;
     for (int64_t q = 0; q < entries; q++) {
         double lanes[CPU_ACC];
         for (int j = 0; j < CPU_ACC; j++) {
             lanes[j] = acc[q][j];
         }
-        grad[q] = cms_join(lanes);
+        grad[q] = tm_sur_join(lanes);
     }
 }
 

@@ -68,13 +68,11 @@ cms_tile_layer_d(const float *w, int32_t in, const float *bias, int32_t out,
                 for (int e = 0; e < CMS_LANES; e++) {
                     const float v = sums[u][e] + bias[j + u];
                     /* tm_cms_silu(v), its operations spelled out to share 1 + e^-v with SiLU's
-                     * derivative s (1 + v (1 - s)), s = 1 / (1 + e^-v) (torch's silu_backward) */
+                     * derivative (tm_sur_dsilu, torch's silu_backward) */
                     const float den = tm_cms_silu_den(v);
                     y[j + u][e0 + e] = silu ? tm_fdiv(v, den) : v;
                     if (derivs) {
-                        const float sg = tm_fdiv(1.0f, den);
-                        dy[j + u][e0 + e] =
-                            tm_fmul(sg, tm_fadd(1.0f, tm_fmul(v, tm_fadd(1.0f, -sg))));
+                        dy[j + u][e0 + e] = tm_sur_dsilu(v, den);
                     }
                 }
             }

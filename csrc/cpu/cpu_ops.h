@@ -16,6 +16,7 @@
 #include <stdint.h>
 
 #include "../common/tm_cms_finish.h"
+#include "../common/tm_cms_surrogate.h"
 #include "../common/tm_half.h"
 #include "../common/tm_math.h"
 #include "../common/tm_tensor.h"
@@ -89,25 +90,12 @@ typedef struct {
     float coef_o, coef_g, coef_t; /* gradient pass: d loss / d o = co o + cg g + ct (o - prev) */
     const tm_cms_direct_net *net;
     const float *w_hid_t; /* [L - 1][20][20]: each hidden layer's W^T (the backward) */
-    double *parts;      /* the block's CPU_SUR_NORM_PARTS sums, then its gradient partials */
+    double *parts;      /* the block's TM_SUR_NORM_PARTS sums, then its gradient partials */
 } cpu_sur_block;
 
-/* The surrogate's per-block sums: o^2, o g, g^2, (o - prev)^2. */
-enum { CPU_SUR_OO, CPU_SUR_OG, CPU_SUR_GG, CPU_SUR_TT, CPU_SUR_NORM_PARTS };
-
-/* Entries of the surrogate's gradient in the padded network's layout (module order: W_in
- * [20][4], b_in [20], (W [20][20], b [20]) x (L - 1), W_out [20], b_out). */
-#define CPU_SUR_GRAD_ENTRIES(L)                                                                    \
-    (TM_CMS_DIRECT_MAX_HIDDEN * (TM_CMS_DIRECT_IN + 1) +                                           \
-     (L - 1) * TM_CMS_DIRECT_MAX_HIDDEN * (TM_CMS_DIRECT_MAX_HIDDEN + 1) +                         \
-     TM_CMS_DIRECT_MAX_HIDDEN + 1)
-#define CPU_SUR_MAX_GRAD_ENTRIES CPU_SUR_GRAD_ENTRIES(TM_CMS_MAX_LAYERS)
-
-static inline int64_t
-cpu_sur_grad_entries(int32_t layers)
-{
-    return CPU_SUR_GRAD_ENTRIES((int64_t)layers);
-}
+/* The surrogate's blocks are the CPU's: element e of a block is its lane e % 8 on both backends
+ * (tm_cms_surrogate.h). */
+_Static_assert(TM_SUR_BLOCK == TM_CPU_BLOCK, "the surrogate's blocks are the CPU's blocks");
 
 /* The CMS passes over one block (cpu_cms.c and cpu_cms_surrogate.c have the pass structure). */
 typedef struct {

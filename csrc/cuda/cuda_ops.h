@@ -28,6 +28,9 @@ tm_status cuda_adamw_step(const tm_adamw_tensors *t, const tm_adamw_args *args,
 size_t cuda_cms_scratch_bytes(const tm_tensor_list *params, int32_t levels, tm_cms_net net);
 tm_status cuda_cms_step(const tm_cms_tensors *t, const tm_cms_args *args, const tm_cms_inputs *in,
                         const tm_exec *exec);
+size_t cuda_cms_surrogate_scratch_bytes(const tm_tensor_list *targets, int32_t layers);
+tm_status cuda_cms_surrogate(const tm_cms_surrogate_tensors *t, const tm_cms_surrogate_args *args,
+                             const tm_cms_surrogate_inputs *in, const tm_exec *exec);
 tm_status cuda_dno_control(const tm_dno_control_tensors *t, const tm_dno_control_args *args,
                            const tm_exec *exec);
 

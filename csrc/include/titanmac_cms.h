@@ -117,9 +117,10 @@ tm_status tm_cms_check(const tm_cms_tensors *t, const tm_cms_args *args, const t
  * R = 1 - cos(o, g) and M = (||o|| / ||g|| - 1)^2 when ||g||, ||o|| > 1e-8 (M = ||o||^2 when
  * ||g|| is not), prev = outputs[i] on entry. The op writes losses[i], o into outputs[i] (the next
  * call's prev), and weight_grads[k] = d mean_i(loss_i) / d weights[k]. The caller clips those
- * and takes the Adam step. Every reduction is in double over fixed blocks, combined in order:
- * deterministic and independent of the thread count; not the bits of torch's autograd (whose
- * sums run in another order), about 1e-6 relative from them. */
+ * and takes the Adam step. Every reduction is in double over fixed blocks, combined in order
+ * (the weights' gradient summed in float lanes within a block): deterministic and independent of
+ * the thread count and the backend; not the bits of torch's autograd (whose sums run in another
+ * order), about 1e-6 relative from them. */
 typedef struct {
     tm_tensor_list targets;      /* g's source per tensor: A_0 (float32) or the gradient (any) */
     tm_tensor_list momentum;     /* m_0 per tensor: float32, the target's numel (and shape) */
@@ -143,11 +144,13 @@ typedef struct {
 } tm_cms_surrogate_inputs;
 
 /* Scratch of tm_cms_surrogate: per-block partial sums and gradients (doubles), per-tensor loss
- * coefficients; depends on the targets' numels and L only. */
+ * coefficients; depends on the targets' numels, L and the backend only, so a caller may keep one
+ * buffer for every call with the same sizes. The op writes every part it reads (no zeroing). */
 size_t tm_cms_surrogate_scratch_bytes(const tm_tensor_list *targets, int32_t layers);
 
-/* CPU only (TM_ERR_UNSUPPORTED on CUDA): there the DeepNestedOptimizer runs this algorithm in
- * torch ops (titanmac_c/_surrogate.py). */
+/* On the CPU and on CUDA, with the same bits (the blocks, lanes and order of every sum are
+ * common/tm_cms_surrogate.h's). On CUDA: no host synchronization, nothing allocated, every launch
+ * on exec->stream (capturable in a CUDA graph), no atomics: the same bits on every run. */
 tm_status tm_cms_surrogate(const tm_cms_surrogate_tensors *t, const tm_cms_surrogate_args *args,
                            const tm_cms_surrogate_inputs *in, const tm_exec *exec);
 

@@ -89,7 +89,7 @@ static PyMethodDef module_methods[] = {
      "cms_surrogate(targets, momentum, outputs, weights, weight_grads, losses, *, divisor, hidden, "
      "layers, has_prev=None, scale=None, num_threads=1, stream=None, scratch=None)\n--\n\n"
      "Phase 1 of the DeepNestedOptimizer's CMS step, the DirectUpdateMLP's surrogate loss "
-     "gradient (tm_cms_surrogate; CPU)."},
+     "gradient (tm_cms_surrogate; CPU and CUDA)."},
     {"cms_surrogate_scratch_bytes", KW(py_cms_surrogate_scratch_bytes),
      "cms_surrogate_scratch_bytes(targets, *, layers)\n--\n\nBytes of scratch cms_surrogate "
      "needs."},

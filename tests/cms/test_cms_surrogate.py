@@ -1,13 +1,16 @@
-"""Phase 1 of the CMS step, both implementations: _C.cms_surrogate (tm_cms_surrogate, the CPU's)
-and _surrogate.surrogate_gradient (its algorithm in torch ops, CUDA's; run here on every device,
-also with chunks small enough to split tensors), against autograd of the reference in float64:
+"""Phase 1 of the CMS step, both implementations: _C.cms_surrogate (tm_cms_surrogate, on the CPU
+and on CUDA) and surrogate.surrogate_gradient (its algorithm in torch ops, CUDA's default; run here
+on every device, also with chunks small enough to split tensors), against autograd of the
+reference in float64:
 the gradient of mean_i compute_surrogate_loss(MLP(g_i, m_i), g_i, prev_i) over the
 DirectUpdateMLP's weights (docs/deep_nested_optimizer.md sections 7.2, 7.4; the
 reference's preprocess_gradient, net and loss, evaluated in double), element by element, over
 several Phase 1 steps (each step's outputs are the next step's prev, and the MLP takes an Adam
 step between them); the temporal term's gradient on its own (the difference of two calls, with
-and without prev); plus the C op's argument checks. Section numbers (spec N) and bug ids (B1,
-its section 14) refer to that document.
+and without prev); plus the C op's argument checks. On CUDA the C op is also checked against the
+CPU's bit for bit (the same blocks, lanes and sums: common/tm_cms_surrogate.h), run to run, in a
+CUDA graph's replays and without a host sync. Section numbers (spec N) and bug ids (B1, its
+section 14) refer to that document.
 
 Tolerance: every entry of a gradient tensor within GRAD_RTOL of that tensor's largest entry
 (measured <= 9e-7 for the C op, which sums the weights' gradients in double, 5.8e-7 for the
@@ -23,6 +26,7 @@ import torch
 
 from conftest import DEVICES, RecordHostReads
 from titanmac_c import _C
+from titanmac_c._internal.runtime import exec_kwargs
 from titanmac_c.deep_nested.surrogate import SurrogatePlan, surrogate_gradient
 from titanmac_c.testing.reference_dno import (DirectUpdateMLP, compute_surrogate_loss,
                                        preprocess_gradient)
@@ -81,6 +85,7 @@ def _reference(mlp, targets, moms, prevs, scale, divisor, grad_dtype=torch.float
 # chunks holding pieces of several tensors).
 IMPLS = [
     pytest.param(("c", "cpu", None), id="c_op"),
+    pytest.param(("c", "cuda", None), id="c_op-cuda", marks=DEVICES[1].marks),
     pytest.param(("torch", "cpu", None), id="torch-cpu"),
     pytest.param(("torch", "cpu", 1000), id="torch-cpu-chunk1000"),
     pytest.param(("torch", "cuda", None), id="torch-cuda", marks=DEVICES[1].marks),
@@ -93,13 +98,16 @@ def _ours(mlp, targets, moms, outputs, has_prev, scale, divisor, hidden, layers,
     """One call of the implementation; returns (weight gradients, losses) on the CPU, outputs
     written in place (copied back from the device)."""
     kind, device, chunk = impl
-    if kind == "c":
+    if kind == "c" and device == "cpu":
         grads = [torch.full_like(p, float("nan")) for p in mlp.parameters()]
         losses = torch.full((len(targets),), float("nan"))
         _C.cms_surrogate(targets, moms, outputs, [p.detach() for p in mlp.parameters()], grads,
                          losses, divisor=divisor, hidden=hidden, layers=layers,
                          has_prev=has_prev, scale=scale, **kw)
         return grads, losses
+    if kind == "c":
+        return _c_op_on(device, mlp, targets, moms, outputs, has_prev, scale, divisor, hidden,
+                        layers)
     weights = [p.detach().to(device) for p in mlp.parameters()]
     grads = [torch.full_like(w, float("nan")) for w in weights]
     losses = torch.full((len(targets),), float("nan"), device=device)
@@ -110,6 +118,31 @@ def _ours(mlp, targets, moms, outputs, has_prev, scale, divisor, hidden, layers,
         losses, divisor=divisor, scale=None if scale is None else scale.to(device),
         has_prev=has_prev if has_prev is not None else [False] * len(targets), plan=plan)
     for o, d in zip(outputs, on_device):
+        o.copy_(d)
+    return [g.cpu() for g in grads], losses.cpu()
+
+
+def _nan_scratch(targets, layers):
+    """Scratch for the CUDA op filled with NaN doubles (every byte 0xff): a record the op reads
+    before writing it would show in the results."""
+    nbytes = _C.cms_surrogate_scratch_bytes(targets, layers=layers)
+    return torch.full((max(nbytes, 8),), 255, dtype=torch.uint8, device=targets[0].device
+                      if targets else "cuda")
+
+
+def _c_op_on(device, mlp, targets, moms, outputs, has_prev, scale, divisor, hidden, layers):
+    """_C.cms_surrogate on the device's copies (scratch as the optimizer passes it); returns
+    (weight gradients, losses) on the CPU, outputs copied back into `outputs`."""
+    dev = [o.to(device) for o in outputs]
+    grads = [torch.full_like(p, float("nan"), device=device) for p in mlp.parameters()]
+    losses = torch.full((len(targets),), float("nan"), device=device)
+    targets = [t.to(device) for t in targets]
+    _C.cms_surrogate(targets, [m.to(device) for m in moms], dev,
+                     [p.detach().to(device) for p in mlp.parameters()], grads, losses,
+                     divisor=divisor, hidden=hidden, layers=layers, has_prev=has_prev,
+                     scale=None if scale is None else scale.to(device),
+                     scratch=_nan_scratch(targets, layers), **exec_kwargs(torch.device(device)))
+    for o, d in zip(outputs, dev):
         o.copy_(d)
     return [g.cpu() for g in grads], losses.cpu()
 
@@ -374,6 +407,182 @@ def test_same_bits_for_any_thread_count_and_instruction_set():
     finally:
         _C._select_cpu_isa(isa)
     for a, b in zip(base, generic):
+        assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------- the CUDA op ----
+
+CUDA_ONLY = DEVICES[1].marks
+# every block edge: a partial tile, a block and one more, two chunks of 65,536, a tensor of none
+BIT_SIZES = [0, 1, 3, 31, 33, 4096, 4097, 70000, 65536 + 3 * 4096 + 5, (33, 65)]
+
+
+def _bits(t):
+    """t's bits, for an equality that NaN does not spoil."""
+    return t.contiguous().view(torch.int32)
+
+
+def _assert_same_bits(got, want, what):
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a.shape == b.shape and torch.equal(_bits(a), _bits(b)), (
+            f"{what}[{i}]: {int((_bits(a) != _bits(b)).sum())} of {a.numel()} elements differ, "
+            f"max |diff| {float((a.double() - b.double()).abs().nan_to_num().max())}")
+
+
+@pytest.mark.parametrize("hidden,layers", [(20, 2), (7, 1), (20, 3), (13, 2), (20, 8)],
+                         ids=["h20-l2", "h7-l1", "h20-l3", "h13-l2", "h20-l8"])
+@pytest.mark.parametrize("kind,dtype", [
+    ("zero", torch.float32), ("grad", torch.float32), ("grad", torch.bfloat16),
+    ("grad", torch.float16), ("grad", torch.float64), ("tiny", torch.float32)],
+    ids=["zero", "grad-f32", "grad-bf16", "grad-f16", "grad-f64", "tiny"])
+@pytest.mark.parametrize("_", [pytest.param(None, marks=CUDA_ONLY, id="cuda")])
+def test_cuda_op_matches_the_cpu_op_bit_for_bit(hidden, layers, kind, dtype, _):
+    """tm_cms_surrogate on CUDA runs the CPU's blocks, lanes and sums with the same element math
+    (common/tm_cms_surrogate.h): weight gradients, losses and outputs bit for bit, over three
+    calls (each call's outputs the next one's prev on every other tensor, the others starting
+    over), the gradient targets with a NaN and an Inf (counted as 0), at every block edge."""
+    gen = torch.Generator().manual_seed(hidden * 10 + layers)
+    mlp = _mlp(hidden, layers)
+    scale = torch.tensor([0.7]) if kind != "zero" else None
+    shapes = [s if isinstance(s, tuple) else (s,) for s in BIT_SIZES]
+    prev_cpu = [torch.randn(s, generator=gen) for s in shapes]
+    prev_cuda = [o.clone() for o in prev_cpu]
+    for step in range(3):
+        size = {"zero": 0.0, "grad": 1e-3, "tiny": 1e-12}[kind]
+        targets = [(torch.randn(s, generator=gen) * size).to(dtype) for s in shapes]
+        if kind == "grad":
+            targets[7].view(-1)[[5, 66000]] = torch.tensor([float("nan"), float("inf")],
+                                                          dtype=dtype)
+            targets[4].zero_()  # a tensor below the threshold among the others
+        moms = [torch.randn(s, generator=gen) * 1e-3 for s in shapes]
+        has_prev = [step > 0 and i % 2 == 0 for i in range(len(shapes))]
+        g_cpu, l_cpu = _ours(mlp, targets, moms, prev_cpu, has_prev, scale, 3.0, hidden, layers)
+        g_cuda, l_cuda = _c_op_on("cuda", mlp, targets, moms, prev_cuda, has_prev, scale, 3.0,
+                                  hidden, layers)
+        _assert_same_bits(g_cuda, g_cpu, f"step {step} weight_grads")
+        _assert_same_bits([l_cuda], [l_cpu], f"step {step} losses")
+        _assert_same_bits(prev_cuda, prev_cpu, f"step {step} outputs")
+        assert all(torch.isfinite(g).all() for g in g_cuda)
+
+
+def _cuda_call(hidden=20, layers=2, seed=7):
+    """The arguments of one CUDA call with a prev on every other tensor, and the gradient
+    targets (fix_reference_bugs' Phase 1)."""
+    gen = torch.Generator().manual_seed(seed)
+    mlp = _mlp(hidden, layers)
+    targets = [(torch.randn(s, generator=gen) * 1e-3).cuda() for s in SIZES]
+    args = dict(targets=targets, momentum=[(torch.randn(s, generator=gen) * 1e-3).cuda()
+                                           for s in SIZES],
+                outputs=[torch.randn(s, generator=gen).cuda() for s in SIZES],
+                weights=[p.detach().cuda() for p in mlp.parameters()],
+                weight_grads=[torch.zeros_like(p, device="cuda") for p in mlp.parameters()],
+                losses=torch.zeros(len(SIZES), device="cuda"))
+    kw = dict(divisor=2.0, hidden=hidden, layers=layers,
+              has_prev=[i % 2 == 0 for i in range(len(SIZES))],
+              scale=torch.tensor([0.5], device="cuda"), scratch=_nan_scratch(targets, layers))
+    return args, kw
+
+
+def _results(args):
+    return [t.clone() for t in args["weight_grads"] + [args["losses"]] + args["outputs"]]
+
+
+@pytest.mark.parametrize("_", [pytest.param(None, marks=CUDA_ONLY, id="cuda")])
+def test_cuda_op_same_bits_every_run_in_a_graph_and_without_a_host_sync(_):
+    """The CUDA op is deterministic (no atomics: two runs give the same bits), runs without a
+    host sync (torch's sync debug mode "error" around it; a capture fails on any sync of the
+    stream), and a CUDA graph that captured it replays it on the inputs of the replay: new
+    targets, momenta and previous outputs copied into the captured tensors give the bits of an
+    eager call on them."""
+    args, kw = _cuda_call()
+    prev = [o.clone() for o in args["outputs"]]
+    _C.cms_surrogate(*args.values(), **kw)
+    first = _results(args)
+    for o, p in zip(args["outputs"], prev):
+        o.copy_(p)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        _C.cms_surrogate(*args.values(), **kw)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    _assert_same_bits(_results(args), first, "second run")
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _C.cms_surrogate(*args.values(), **kw)  # recorded, not run
+    gen = torch.Generator().manual_seed(8)
+    for _ in range(2):
+        new = {name: [torch.randn(t.shape, generator=gen).cuda() * 1e-3 for t in args[name]]
+               for name in ("targets", "momentum", "outputs")}
+        for name, tensors in new.items():
+            for t, v in zip(args[name], tensors):
+                t.copy_(v)
+        graph.replay()
+        replayed = _results(args)
+        eager = dict(args, outputs=[v.clone() for v in new["outputs"]],
+                     weight_grads=[torch.full_like(g, float("nan")) for g in args["weight_grads"]],
+                     losses=torch.full_like(args["losses"], float("nan")))
+        _C.cms_surrogate(*eager.values(), **kw)
+        _assert_same_bits(replayed, _results(eager), "replay")
+
+
+def _cpu_scale(a, k):
+    k["scale"] = k["scale"].cpu()
+
+
+def _cpu_momentum(a, k):
+    a["momentum"][1] = a["momentum"][1].cpu()
+
+
+def _cpu_weight_grad(a, k):
+    a["weight_grads"][3] = a["weight_grads"][3].cpu()
+
+
+def _cpu_losses(a, k):
+    a["losses"] = a["losses"].cpu()
+
+
+def _no_scratch(a, k):
+    k["scratch"] = None
+
+
+def _small_scratch(a, k):
+    k["scratch"] = k["scratch"][:-8]
+
+
+def _cpu_scratch(a, k):
+    k["scratch"] = k["scratch"].cpu()
+
+
+def _scratch_in_an_output(a, k):
+    big = torch.zeros(65537 + k["scratch"].numel() // 4, device="cuda")
+    a["outputs"][5] = big[:65537]
+    k["scratch"] = big.view(torch.uint8)
+
+
+@pytest.mark.parametrize("mutate,exc,match", [
+    (_cpu_scale, ValueError, r"scale: on cpu, but targets\[0\] is on cuda"),
+    (_cpu_momentum, ValueError, r"momentum\[1\]: on cpu, but targets\[0\] is on cuda"),
+    (_cpu_weight_grad, ValueError, r"weight_grads\[3\]: on cpu, but targets\[0\] is on cuda"),
+    (_cpu_losses, ValueError, r"losses: on cpu, but targets\[0\] is on cuda"),
+    (_no_scratch, ValueError, r"scratch: CUDA needs \d+ bytes"),
+    (_small_scratch, ValueError, r"scratch: CUDA needs \d+ bytes, got"),
+    (_cpu_scratch, BufferError, r"scratch: on cpu, but the tensors are on cuda"),
+    (_scratch_in_an_output, ValueError, r"scratch: shares memory with outputs\[5\]"),
+], ids=["cpu-scale", "cpu-momentum", "cpu-weight-grad", "cpu-losses", "no-scratch",
+        "small-scratch", "cpu-scratch", "scratch-in-an-output"])
+@pytest.mark.parametrize("_", [pytest.param(None, marks=CUDA_ONLY, id="cuda")])
+def test_cuda_op_refuses_mixed_devices_and_bad_scratch_writing_nothing(mutate, exc, match, _):
+    """A tensor on another device than the targets, scratch missing, too small, on the CPU or
+    inside a written tensor: refused before the first write, named."""
+    args, kw = _cuda_call()
+    mutate(args, kw)
+    before = _written(args)
+    with pytest.raises(exc, match=match):
+        _C.cms_surrogate(*args.values(), **kw)
+    torch.cuda.synchronize()
+    for a, b in zip(_written(args), before):
         assert torch.equal(a, b)
 
 

@@ -13,9 +13,9 @@ import torch
 
 import titanmac_c
 from titanmac_c.testing.reference_dno import ReferenceDeepNestedOptimizer
-from cms_checks import NAN_GRAD_STEP, cms_pair, cms_step, compare_cms
-from conftest import (DEVICES, STATE_NMSE, RecordHostReads, checkpoint_roundtrip,
-                      sync_cms_from_reference)
+from cms_checks import NAN_GRAD_STEP, cms_pair, cms_step, compare_cms, set_phase1_path
+from conftest import (DEVICES, STATE_NMSE, RecordHostReads, assert_same_state,
+                      checkpoint_roundtrip, sync_cms_from_reference)
 from dno_models import loss_fn, make_mlp_10_32_5, synthetic_batches
 
 
@@ -72,6 +72,172 @@ def _parity_250_steps(device, preprocessing, freqs, wd, dtype=torch.float32):
     return model_o
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("freqs", [[1, 10, 100], [1, 5, 50]], ids=["f1-10-100", "f1-5-50"])
+def test_cms_parity_250_steps_with_the_core_phase1(monkeypatch, device, freqs):
+    """TITANMAC_CUDA_PHASE1=core (on a CUDA model the switch itself; on a CPU model, which
+    ignores it, the same path set on CMSMode): Phase 1 by the C core's op and its AdamW on the
+    MLP's torch Adam, against the reference over 250 steps as test_cms_parity_250_steps (state
+    resynced before each step), and after each Phase 1 step the surrogate loss (1e-5 relative)
+    and every MLP weight (1e-3 of the Adam step, lr 1e-3) as the reference's. The NaN step
+    is not a Phase 1 step, so the device-side skip (zero targets, where the reference does not
+    train) is not reached here: test_a_skipped_phase1_step."""
+    monkeypatch.setenv("TITANMAC_CUDA_PHASE1", "core")
+    (model_r, ref), (model_o, ours) = cms_pair(
+        device, model=make_mlp_10_32_5(seed=0), cms_frequencies=freqs, weight_decay=0.01,
+        meta_update_freq=50)
+    if device == "cpu":
+        set_phase1_path(ours, "core")
+    assert ours._cms_mode.phase1_core and not ours._cms_mode.phase1_cpu_path
+    for step, batch in enumerate(synthetic_batches("mlp", 250, seed=7, device=device), start=1):
+        sync_cms_from_reference(ref, ours, model_r, model_o)
+        before = [p.detach().clone() for p in model_r.parameters()]
+        res_r = cms_step(model_r, ref, batch, step)
+        res_o = cms_step(model_o, ours, batch, step)
+        if step == NAN_GRAD_STEP:  # the clip norm is NaN: the whole step is skipped
+            assert res_r.get("skipped") and float(ours.skipped) == 1.0
+        else:
+            assert set(res_o) == set(res_r), step
+        compare_cms(ref, ours, model_r, model_o, step, before)
+        if step % ours.mlp_train_freq == 0:
+            torch.testing.assert_close(res_o["surrogate_loss"], res_r["surrogate_loss"],
+                                       rtol=1e-5, atol=0, msg=lambda m: f"step {step}: {m}")
+            for (name, wr), wo in zip(ref.momentum_mlp.named_parameters(),
+                                      ours.momentum_mlp.parameters()):
+                torch.testing.assert_close(wo, wr, rtol=0, atol=1e-3 * 1e-3,
+                                           msg=lambda m: f"step {step} {name}: {m}")
+
+
+def test_the_phase1_switch(monkeypatch):
+    """TITANMAC_CUDA_PHASE1, read when the optimizer is built: unset, empty or "torch" keep
+    CUDA's torch ops; "core" takes the C core's path on a CUDA model only (a CPU model's Phase
+    1 is the C core's anyway, with torch's Adam as the reference's); any other value is refused
+    by name, on every device, before anything is built."""
+    def built(value):
+        if value is None:
+            monkeypatch.delenv("TITANMAC_CUDA_PHASE1", raising=False)
+        else:
+            monkeypatch.setenv("TITANMAC_CUDA_PHASE1", value)
+        return titanmac_c.DeepNestedOptimizer(make_mlp_10_32_5(seed=0), use_cms_updates=True)
+
+    for value in (None, "", "torch", "core", " Core "):
+        cms = built(value)._cms_mode
+        assert cms.phase1_cpu_path and not cms.phase1_core, value
+    for value in ("cuda", "1", "C"):
+        with pytest.raises(ValueError, match=rf"TITANMAC_CUDA_PHASE1='{value}': must be 'torch' "
+                                             r"\(the default\) or 'core'"):
+            built(value)
+    from titanmac_c.deep_nested.phase1 import cuda_phase1_path
+    monkeypatch.setenv("TITANMAC_CUDA_PHASE1", " Core ")
+    assert cuda_phase1_path() == "core"
+
+
+def _core_run(steps, fix=False, state=None, **kw):
+    """The 10-32-5 MLP in CMS mode with Phase 1 on the core path, trained `steps` steps, from a
+    state_dict when given; returns (model, optimizer)."""
+    model = make_mlp_10_32_5(seed=0)
+    torch.manual_seed(0)
+    opt = titanmac_c.DeepNestedOptimizer(model, use_cms_updates=True, fix_reference_bugs=fix,
+                                         **kw)
+    set_phase1_path(opt, "core")
+    if state is not None:
+        model.load_state_dict(state[0])
+        opt.load_state_dict(checkpoint_roundtrip(state[1]))
+    for batch in synthetic_batches("mlp", steps, seed=9):
+        opt.zero_grad()
+        loss = loss_fn(model, batch)
+        loss.backward()
+        opt.step(loss.detach())
+    return model, opt
+
+
+def test_core_phase1_keeps_torchs_adam_and_its_checkpoints():
+    """The core path steps mlp_optimizer (a torch.optim.Adam) through the C core on the Adam's
+    own state: after three Phase 1 steps its state_dict is torch's (keys, step counts as CPU
+    tensors, moments of the weights' shapes, the same param_groups) and within rounding of the
+    torch path's (the same run with torch's Adam: 1e-6 relative); it loads into a
+    torch.optim.Adam that steps on, and a checkpoint saved at step 10 and loaded into a new
+    optimizer goes on as the uninterrupted run (step 20: every state entry bit for bit)."""
+    _, opt = _core_run(15)
+    model_t = make_mlp_10_32_5(seed=0)
+    torch.manual_seed(0)
+    opt_t = titanmac_c.DeepNestedOptimizer(model_t, use_cms_updates=True)
+    set_phase1_path(opt_t, "torch")
+    for batch in synthetic_batches("mlp", 15, seed=9):
+        opt_t.zero_grad()
+        loss = loss_fn(model_t, batch)
+        loss.backward()
+        opt_t.step(loss.detach())
+    sd, sd_t = opt.mlp_optimizer.state_dict(), opt_t.mlp_optimizer.state_dict()
+    assert sd["param_groups"] == sd_t["param_groups"]
+    assert sd["state"].keys() == sd_t["state"].keys() == set(range(6))
+    for k, entry in sd["state"].items():
+        assert list(entry) == list(sd_t["state"][k]) == ["step", "exp_avg", "exp_avg_sq"]
+        assert entry["step"].device.type == "cpu" and entry["step"].dtype == torch.float32
+        assert float(entry["step"]) == 3.0
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(entry[key], sd_t["state"][k][key], rtol=1e-4,
+                                       atol=1e-6 * float(sd_t["state"][k][key].abs().max()))
+    adam = torch.optim.Adam([torch.nn.Parameter(w.detach().clone())
+                             for w in opt.momentum_mlp.parameters()], lr=1e-3)
+    adam.load_state_dict(checkpoint_roundtrip(sd))
+    for p in adam.param_groups[0]["params"]:
+        p.grad = torch.ones_like(p)
+    adam.step()
+    assert float(adam.state_dict()["state"][0]["step"]) == 4.0
+
+    full_model, full = _core_run(20)
+    half_model, half = _core_run(10)
+    saved = (copy.deepcopy(half_model.state_dict()), copy.deepcopy(half.state_dict()))
+    model_b = make_mlp_10_32_5(seed=0)
+    torch.manual_seed(0)
+    resumed = titanmac_c.DeepNestedOptimizer(model_b, use_cms_updates=True)
+    set_phase1_path(resumed, "core")
+    model_b.load_state_dict(saved[0])
+    resumed.load_state_dict(checkpoint_roundtrip(saved[1]))
+    resumed._cms_mode.output_history = {  # not in checkpoints (the reference's either)
+        i: o.clone() for i, o in half._cms_mode.output_history.items()}
+    for batch in synthetic_batches("mlp", 20, seed=9)[10:]:
+        resumed.zero_grad()
+        loss = loss_fn(model_b, batch)
+        loss.backward()
+        resumed.step(loss.detach())
+    assert_same_state(resumed.mlp_optimizer.state_dict(), full.mlp_optimizer.state_dict())
+    for a, b in zip(model_b.parameters(), full_model.parameters()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("option,value,match", [
+    ("weight_decay", 0.1,
+     r"mlp_optimizer.param_groups\[0\]\['weight_decay'\] = 0.1: .*decoupled"),
+    ("fused", True, r"mlp_optimizer.param_groups\[0\]\['fused'\] = True"),
+    ("capturable", True, r"mlp_optimizer.param_groups\[0\]\['capturable'\] = True"),
+    ("eps", -1.0, r"mlp_optimizer.param_groups\[0\]\['eps'\] = -1.0"),
+])
+def test_core_phase1_refuses_adam_options_it_cannot_take_writing_nothing(option, value, match):
+    """mlp_optimizer options the C core's AdamW does not take (coupled weight decay; capturable,
+    fused: step counts on the device) or a value it refuses: the Phase 1 step raises, named,
+    and the step did not happen (the MLP, its Adam state and output history, the parameters,
+    global_step as before); with the option put back, training goes on."""
+    model, opt = _core_run(4)
+    opt.zero_grad()
+    loss = loss_fn(model, synthetic_batches("mlp", 5, seed=9)[4])
+    loss.backward()
+    kept = opt.mlp_optimizer.param_groups[0][option]
+    opt.mlp_optimizer.param_groups[0][option] = value
+    before = (_phase1_state(opt), [p.detach().clone() for p in model.parameters()],
+              opt.global_step)
+    with pytest.raises(ValueError, match=match):
+        opt.step(loss.detach())
+    _assert_same_phase1_state(_phase1_state(opt), before[0])
+    for a, b in zip(model.parameters(), before[1]):
+        assert torch.equal(a, b)
+    assert opt.global_step == before[2] == 4
+    opt.mlp_optimizer.param_groups[0][option] = kept
+    opt.step(loss.detach())
+    assert opt.global_step == 5 and float(opt.mlp_optimizer.state_dict()["state"][0]["step"]) == 1
+
+
 @pytest.mark.parametrize("freqs", [[1, 10, 100], [1, 5, 50]], ids=["f1-10-100", "f1-5-50"])
 def test_cms_direct_parity_without_resync_50_steps(freqs):
     (model_r, ref), (model_o, ours) = cms_pair("cpu", cms_frequencies=freqs, weight_decay=0.01,
@@ -101,29 +267,33 @@ def _phase1_steps(device, ours_setup, check, model=None):
                 check(step, name, wo, wr)
 
 
-# How Phase 1 runs (CMSMode.phase1_cpu_path): the CPU's way (the C op, the skip
-# flag read on the host), and CUDA's (torch ops, the skip applied on the device), on the CPU too.
+# How Phase 1 runs (cms_checks.set_phase1_path): the CPU's way (the C op, the skip flag read on
+# the host), CUDA's default (torch ops, the skip applied on the device) and CUDA's with
+# TITANMAC_CUDA_PHASE1=core (the C op and the C core's AdamW), the last two on the CPU too.
 PHASE1_IMPLS = [
-    pytest.param(("cpu", True), id="cpu-path"),
-    pytest.param(("cpu", False), id="cuda-path-on-cpu"),
-    pytest.param(("cuda", False), id="cuda", marks=DEVICES[1].marks),
+    pytest.param(("cpu", "cpu"), id="cpu-path"),
+    pytest.param(("cpu", "torch"), id="cuda-path-on-cpu"),
+    pytest.param(("cpu", "core"), id="core-path-on-cpu"),
+    pytest.param(("cuda", "torch"), id="cuda", marks=DEVICES[1].marks),
+    pytest.param(("cuda", "core"), id="cuda-core", marks=DEVICES[1].marks),
 ]
 
 
 @pytest.mark.parametrize("model", ["mlp", "deep"], ids=["4-tensors", "24-tensors"])
 @pytest.mark.parametrize("impl", PHASE1_IMPLS)
 def test_phase1_trains_the_mlp_like_the_reference(impl, model):
-    """Phase 1's gradient from the C core (the CPU's) or from its algorithm in torch ops
-    (CUDA's; tests/cms/test_cms_surrogate.py checks both against float64): from the same state, each
-    Phase 1 step moves every MLP weight as the reference's does to 1e-3 of the step size
-    (lr = 1e-3; measured <= 3e-5 of it: the gradients differ in rounding only). With 24 tensors
-    it trains on the first 20, as the reference."""
-    device, cpu_path = impl
+    """Phase 1's gradient from the C core or from its algorithm in torch ops
+    (tests/cms/test_cms_surrogate.py checks both against float64), the MLP's Adam step torch's
+    or (core path) the C core's AdamW on the Adam's state: from the same state, each Phase 1
+    step moves every MLP weight as the reference's does to 1e-3 of the step size (lr = 1e-3;
+    measured <= 3e-5 of it: the gradients differ in rounding only). With 24 tensors it trains
+    on the first 20, as the reference."""
+    device, path = impl
 
     def check(step, name, wo, wr):
         torch.testing.assert_close(wo, wr, rtol=0, atol=1e-3 * 1e-3,
                                    msg=lambda m: f"step {step} momentum_mlp.{name}: {m}")
-    _phase1_steps(device, lambda ours: setattr(ours._cms_mode, "phase1_cpu_path", cpu_path), check,
+    _phase1_steps(device, lambda ours: set_phase1_path(ours, path), check,
                   model=_deep_mlp() if model == "deep" else None)
 
 
@@ -163,12 +333,12 @@ def _run_with_an_edited_step(impl, fix, edit, steps=20, **kw):
     loss) may change the gradients and returns the loss given to step(). Returns the model, the
     optimizer, and the Phase 1 state before and after that step, its skip flag and the
     parameters after it."""
-    device, cpu_path = impl
+    device, path = impl
     model = make_mlp_10_32_5(seed=0).to(device)
     torch.manual_seed(0)  # the same networks in every run
     opt = titanmac_c.DeepNestedOptimizer(model, use_cms_updates=True, fix_reference_bugs=fix,
                                          **kw)
-    opt._cms_mode.phase1_cpu_path = cpu_path
+    set_phase1_path(opt, path)
     out = {}
     for step, batch in enumerate(synthetic_batches("mlp", steps, seed=9, device=device), start=1):
         opt.zero_grad()
@@ -233,7 +403,7 @@ def test_a_skipped_phase1_step(impl, fix, skip_by):
     every case training goes on afterwards."""
     model, opt, out = _run_with_an_edited_step(impl, fix, skip_by)
     assert out["skipped"] == 1.0
-    if impl[1]:
+    if impl[1] == "cpu":
         _assert_same_phase1_state(out["after"], out["before"])
     else:
         _, _, zeros = _run_with_an_edited_step(impl, fix, _zero_gradients)
@@ -242,9 +412,9 @@ def test_a_skipped_phase1_step(impl, fix, skip_by):
     _assert_training_goes_on(model, opt, out)
 
 
-@pytest.mark.parametrize("net", ["direct", "legacy"])
+@pytest.mark.parametrize("net,path", [("direct", "torch"), ("direct", "core"), ("legacy", "torch")])
 @pytest.mark.parametrize("fix", [False, True], ids=["reference-bugs", "fixed"])
-def test_cuda_path_reads_nothing_back_checked_on_the_cpu(net, fix):
+def test_cuda_path_reads_nothing_back_checked_on_the_cpu(net, path, fix):
     """No host sync in a CMS step (a requirement of the CUDA path), watched without a GPU: CUDA's
     way of stepping, run on CPU tensors, executes no ATen op that would read a value back or copy
     host data in on CUDA (tests/deep_nested/test_deep_nested_cuda.py checks the real thing under
@@ -256,7 +426,7 @@ def test_cuda_path_reads_nothing_back_checked_on_the_cpu(net, fix):
                                          use_preprocessing=net == "direct",
                                          fix_reference_bugs=fix, max_grad_norm=1.0,
                                          weight_decay=0.01, meta_update_freq=1000)
-    opt._cms_mode.phase1_cpu_path = False
+    set_phase1_path(opt, path)
     ops = {}
     for step, batch in enumerate(synthetic_batches("mlp", 12, seed=3), start=1):
         opt.zero_grad()
@@ -271,8 +441,9 @@ def test_cuda_path_reads_nothing_back_checked_on_the_cpu(net, fix):
             opt.step(loss.detach())
         assert not record.host_reads, (step, record.host_reads)
         ops[step] = record.ops
-    if net == "direct":  # the mode saw Phase 1 (hundreds of ops), or the check is void
-        assert ops[10] > 100 and opt._cms_mode.last_surrogate_loss is not None, ops
+    if net == "direct":  # the mode saw Phase 1 (tens of ops through the C core, hundreds
+        # through torch's), or the check is void
+        assert ops[10] > ops[9] + 10 and opt._cms_mode.last_surrogate_loss is not None, ops
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -471,15 +642,17 @@ def test_state_keeps_2k_plus_1_buffers_and_checkpoints_keep_the_reference_layout
         compare_cms(back, ours, model_r, model_o, step)
 
 
+@pytest.mark.parametrize("path", ["torch", "core"])
 @pytest.mark.parametrize("fixes", [False, True])
-def test_graph_mode_step_logic_with_simulated_replays(monkeypatch, fixes):
+def test_graph_mode_step_logic_with_simulated_replays(monkeypatch, fixes, path):
     """CUDA-graph mode's step logic on the CPU: GraphState._graph_of replaced by one that keeps the
     calls of a kind of step the first time (as a capture freezes the Python values it saw, t
     among them) and runs those on every replay. Covers the kinds of step and their keys, the
-    two-graph Phase 1 step (statistics and control, Phase 1 eagerly, then Phase 2), static
-    gradients zeroed in place, base_lr through a tensor and a NaN loss on a Phase 1 step,
-    against eager steps. Not covered: what only a real capture does (memory fixed at capture,
-    Python side effects of the calls happening once)."""
+    Phase 1 step (torch ops: two graphs, statistics and control, Phase 1 eagerly, then Phase 2;
+    TITANMAC_CUDA_PHASE1=core: one graph, Phase 1 and the MLP's Adam step captured between
+    them, every step one replay), static gradients zeroed in place, base_lr through a tensor
+    and a NaN loss on a Phase 1 step, against eager steps. Not covered: what only a real
+    capture does (memory fixed at capture, Python side effects of the calls happening once)."""
     from titanmac_c.deep_nested.graph import GraphState
 
     replayed = []
@@ -487,8 +660,10 @@ def test_graph_mode_step_logic_with_simulated_replays(monkeypatch, fixes):
     def graph_of(self, key, calls):
         kept = self.graphs.setdefault(key, calls)
         self.captured = True
-        replayed.append(key)
+        replayed.append((now[0], key))
         return kept
+
+    now = [0]
 
     monkeypatch.setattr(GraphState, "_graph_of", graph_of)
     runs = []
@@ -500,11 +675,11 @@ def test_graph_mode_step_logic_with_simulated_replays(monkeypatch, fixes):
                                              fix_reference_bugs=fixes,
                                              cms_frequencies=[1, 3, 7],  # kinds of step
                                              cuda_graph_warmup_steps=2)
-        # CUDA's Phase 1 (torch ops, no host read of the skip)
-        opt._cms_mode.phase1_cpu_path = False
+        set_phase1_path(opt, path)  # CUDA's Phase 1 (no host read of the skip)
         if graph:
             opt._graph = opt._graph_state()
         for step, batch in enumerate(batches, 1):
+            now[0] = step
             opt.zero_grad(set_to_none=not graph)
             loss = loss_fn(model, batch)
             loss.backward()
@@ -513,9 +688,23 @@ def test_graph_mode_step_logic_with_simulated_replays(monkeypatch, fixes):
             opt.step(loss.detach() * float("nan") if step == 10 else loss.detach())
         runs.append((model, opt))
     (model_e, eager), (model_g, graphed) = runs
-    kinds = set(replayed)
-    assert {k for k in kinds if k[0] in ("head", "tail")} and len(kinds) >= 4, kinds
-    assert replayed.count(("head", False)) + replayed.count(("head", True)) == 3  # steps 5, 10, 15
+    kinds = {key for _, key in replayed}
+    heads = [step for step, key in replayed if key[0] == "head"]
+    if path == "torch":
+        assert {k for k in kinds if k[0] in ("head", "tail")} and len(kinds) >= 4, kinds
+        assert heads == [5, 10, 15]
+    else:
+        assert not heads and len(kinds) >= 4, kinds
+        assert [step for step, key in replayed if key[0] == "phase1"] == [5, 10, 15]
+        steps = [step for step, _ in replayed]
+        assert steps == sorted(set(steps)) == list(range(3, 17)), steps  # one replay a step
+        for we, wg in zip(eager.mlp_optimizer.state_dict()["state"].values(),
+                          graphed.mlp_optimizer.state_dict()["state"].values()):
+            assert float(wg["step"]) == float(we["step"]) == 3.0 and wg["step"].device.type == "cpu"
+        torch.testing.assert_close(graphed._cms_mode.last_surrogate_loss,
+                                   eager._cms_mode.last_surrogate_loss, rtol=1e-6, atol=0)
+        for w in graphed.momentum_mlp.parameters():  # the reference leaves the clipped gradient
+            assert w.grad is not None and torch.isfinite(w.grad).all()
     assert graphed.global_step == eager.global_step == 16
     for pe, pg in zip(model_e.parameters(), model_g.parameters()):
         torch.testing.assert_close(pg, pe, rtol=1e-5, atol=1e-6)

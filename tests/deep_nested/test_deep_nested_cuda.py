@@ -1,7 +1,9 @@
 """DeepNestedOptimizer on CUDA: no host sync inside step() (eager and graph mode, AdamW and CMS
-mode), graph mode matching eager over 100 steps with zero_grad(set_to_none=True) between steps
-(and over 30 in CMS mode), graph mode resuming after load_state_dict and capturing again after
-the weights, the parameters or a number it takes from the host changed. Skipped without CUDA."""
+mode, Phase 1 by torch ops or, with TITANMAC_CUDA_PHASE1=core, by the C core), graph mode matching
+eager over 100 steps with zero_grad(set_to_none=True) between steps (and over 30 in CMS mode; with
+the core Phase 1 captured, one replay a step), graph mode resuming after load_state_dict and
+capturing again after the weights, the parameters or a number it takes from the host changed.
+Skipped without CUDA."""
 
 import copy
 
@@ -36,18 +38,23 @@ def _train(model, opt, batches, set_to_none=True, nan_loss_at=None):
     return torch.stack(losses)
 
 
-@pytest.mark.parametrize("mode", ["adamw", "cms", "cms_fixed", "cms_legacy"])
+@pytest.mark.parametrize("mode", ["adamw", "cms", "cms_fixed", "cms_legacy", "cms_core",
+                                  "cms_core_fixed"])
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])  # memcheck: -k "not graph"
-def test_step_makes_no_host_sync(graph, mode):
+def test_step_makes_no_host_sync(monkeypatch, graph, mode):
     """Steps 6-12: in CMS mode with the DirectUpdateMLP step 10 also runs Phase 1 (the surrogate
-    training, every 5; with the fixes on the current gradients, between two graphs in graph
-    mode); in graph mode every step from the capture on is replayed, the legacy network's
+    training, every 5; with the fixes on the current gradients; by torch ops between two graphs
+    in graph mode, or with TITANMAC_CUDA_PHASE1=core by the C core, inside the step's one
+    graph); in graph mode every step from the capture on is replayed, the legacy network's
     too (t and base_lr reach its context through a device tensor filled before the replay)."""
+    monkeypatch.setenv("TITANMAC_CUDA_PHASE1", "core" if "core" in mode else "torch")
     model = _model()
     opt = titanmac_c.DeepNestedOptimizer(model, use_cuda_graph=graph, cuda_graph_warmup_steps=2,
                                          use_cms_updates=mode != "adamw",
                                          use_preprocessing=mode != "cms_legacy",
-                                         fix_reference_bugs=mode == "cms_fixed", **KW)
+                                         fix_reference_bugs=mode.endswith("fixed"), **KW)
+    if opt._cms_mode is not None:
+        assert opt._cms_mode.phase1_core == ("core" in mode)
     batches = synthetic_batches("titanmac", 12, seed=0, device="cuda")
     _train(model, opt, batches[:5])  # warm-up (and capture, in graph mode)
     torch.cuda.synchronize()
@@ -61,6 +68,9 @@ def test_step_makes_no_host_sync(graph, mode):
         finally:
             torch.cuda.set_sync_debug_mode(0)
     assert opt._graph is None or opt._graph.captured == graph
+    if graph and "core" in mode:  # step 10's Phase 1 was captured, not run between two graphs
+        kinds = {key[0] for key in opt._graph.graphs if isinstance(key[0], str)}
+        assert kinds == {"phase1"}, kinds
 
 
 def _eager_and_graph(steps, seed, nan_loss_at=None, mlp_scale=None, **kw):
@@ -151,6 +161,47 @@ def test_graph_mode_matches_eager_with_the_fixes_and_a_skipped_phase1_step():
         assert torch.isfinite(w_g).all()
         torch.testing.assert_close(w_g, w_e, rtol=0, atol=1e-5,
                                    msg=lambda m: f"momentum_mlp.{name}: {m}")
+
+
+@pytest.mark.parametrize("fix", [False, True], ids=["reference-bugs", "fixed"])
+def test_graph_mode_with_the_core_phase1_matches_eager_one_replay_a_step(monkeypatch, fix):
+    """TITANMAC_CUDA_PHASE1=core: CMS mode's Phase 1 by the C core (tm_cms_surrogate, the
+    reference's clip, the MLP's Adam step by the C core's AdamW) captured with the rest of the
+    step: after the warm-up every step is one replay, Phase 1 steps included, and the run
+    matches an eager one with the same path (what _eager_and_graph checks; every momentum by
+    normalized squared error; the MLP's weights within 1% of an Adam step; the Adam's step
+    counts, kept on the CPU, 6 after 30 steps; the surrogate loss). With the fixes step 10, a
+    Phase 1 step after the capture, gets a NaN loss (skipped on the device: Phase 1 on zero
+    targets in both modes)."""
+    from titanmac_c.deep_nested.graph import GraphState
+
+    monkeypatch.setenv("TITANMAC_CUDA_PHASE1", "core")
+    replays = []
+    original = GraphState._replay
+
+    def replay(self, key, calls, update=False):
+        replays.append(key)
+        return original(self, key, calls, update)
+
+    monkeypatch.setattr(GraphState, "_replay", replay)
+    model_e, eager, model_g, graph = _eager_and_graph(
+        30, seed=5, nan_loss_at=10 if fix else None, use_cms_updates=True,
+        fix_reference_bugs=fix, cuda_graph_warmup_steps=2)
+    assert graph._cms_mode.phase1_core and eager._cms_mode.phase1_core
+    assert len(replays) == 30 - 2, replays  # steps 3-30: one replay each
+    assert sum(key[0] == "phase1" for key in replays) == 6  # steps 5, 10, ..., 30
+    assert not any(key[0] in ("head", "tail") for key in replays)
+    _assert_momenta_close(model_g, graph, model_e, eager)
+    for (name, w_g), w_e in zip(graph.momentum_mlp.named_parameters(),
+                                eager.momentum_mlp.parameters()):
+        assert torch.isfinite(w_g).all()
+        torch.testing.assert_close(w_g, w_e, rtol=0, atol=1e-5,
+                                   msg=lambda m: f"momentum_mlp.{name}: {m}")
+    for s_g, s_e in zip(graph.mlp_optimizer.state_dict()["state"].values(),
+                        eager.mlp_optimizer.state_dict()["state"].values()):
+        assert s_g["step"].device.type == "cpu" and float(s_g["step"]) == float(s_e["step"]) == 6
+    torch.testing.assert_close(graph._cms_mode.last_surrogate_loss,
+                               eager._cms_mode.last_surrogate_loss, rtol=1e-4, atol=0)
 
 
 def test_graph_mode_with_the_legacy_network_matches_eager():

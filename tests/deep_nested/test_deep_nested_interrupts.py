@@ -12,6 +12,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import titanmac_c
+from cms_checks import set_phase1_path
 from conftest import assert_same_state
 from dno_models import loss_fn, make_mlp_10_32_5, synthetic_batches
 from interrupts import deep_copy_with_grads, sweep
@@ -77,13 +78,20 @@ def test_an_interrupt_reading_the_loss_changes_nothing(kw):
     finish_as_uninterrupted(model, opt, loss, kw, 4)
 
 
-def test_an_interrupt_in_phase_1s_adam_step_changes_nothing():
+def core_phase1(opt):
+    """Phase 1 as TITANMAC_CUDA_PHASE1=core runs it on CUDA (the C op, the C core's AdamW)."""
+    set_phase1_path(opt, "core")
+
+
+@pytest.mark.parametrize("prepare", [None, core_phase1], ids=["cpu-path", "core-path"])
+def test_an_interrupt_in_phase_1s_adam_step_changes_nothing(prepare):
     """torch's global optimizer pre-hooks run in Phase 1's Adam step of the DirectUpdateMLP (step
-    5): one that raises KeyboardInterrupt there, after the control op and the surrogate
-    gradient, leaves the step undone, the multipliers, the loss EMA, the MLP, its Adam state
-    and its output history included."""
+    5; on the core path around the C core's AdamW, as torch's step runs them): one that raises
+    KeyboardInterrupt there, after the control op and the surrogate gradient, leaves the step
+    undone, the multipliers, the loss EMA, the MLP, its Adam state and its output history
+    included."""
     kw = {"use_cms_updates": True}
-    model, opt, loss = trained(kw, 4)
+    model, opt, loss = trained(kw, 4, prepare)
     before = everything(model, opt)
     history = {i: t.clone() for i, t in opt._cms_mode.output_history.items()}
     seen = []
@@ -102,7 +110,8 @@ def test_an_interrupt_in_phase_1s_adam_step_changes_nothing():
     assert seen, "Phase 1 did not run"
     assert_same_state(everything(model, opt), before)
     assert_same_state(opt._cms_mode.output_history, history)
-    finish_as_uninterrupted(model, opt, loss, kw, 4)
+    if prepare is None:  # (the uninterrupted twin is built on the CPU's path)
+        finish_as_uninterrupted(model, opt, loss, kw, 4)
 
 
 def test_an_interrupt_from_a_hook_on_the_optimizer_changes_nothing():
@@ -157,12 +166,16 @@ def dno_snapshot(pair):
     ({"use_cms_updates": True}, 4),  # the 5th step trains the DirectUpdateMLP (Phase 1)
     ({"use_cms_updates": True, "use_preprocessing": False}, 4),
     ({"max_grad_norm": 0.0, "controller_update_freq": 2}, 4),
-], ids=["adamw", "cms_direct_phase1", "cms_legacy", "no_clip_no_controller"])
+    ({"use_cms_updates": True, "_prepare": core_phase1}, 4),
+], ids=["adamw", "cms_direct_phase1", "cms_legacy", "no_clip_no_controller",
+        "cms_direct_phase1_core"])
 def test_an_interrupt_at_any_point_leaves_the_step_undone_or_done(kw, steps):
     """A KeyboardInterrupt at every line the step runs (as a signal handler or a hook raises
     it): before the update writes, everything is as before the step; once it wrote, the step is
-    complete (its bookkeeping included), as an uninterrupted one leaves it. Never in between."""
-    model, opt, loss = trained(kw, steps)
+    complete (its bookkeeping included), as an uninterrupted one leaves it. Never in between.
+    (_prepare: how the optimizer is set up before its first step.)"""
+    kw = dict(kw)
+    model, opt, loss = trained(kw, steps, kw.pop("_prepare", None))
     before, after = sweep(lambda: deep_copy_with_grads((model, opt), model),
                           lambda pair: pair[1].step(loss), dno_snapshot)
     assert before > 100 and after > 10, (before, after)
@@ -190,7 +203,8 @@ def test_an_interrupt_in_a_meta_step_leaves_it_undone_and_the_step_done():
     ({}, 4),
     ({"use_cms_updates": True}, 4),  # the 5th step: head replay, Phase 1, tail replay
     ({"use_cms_updates": True}, 5),  # one replay
-], ids=["adamw", "cms_phase1_two_replays", "cms_one_replay"])
+    ({"use_cms_updates": True, "_core": True}, 4),  # Phase 1 in the one replay
+], ids=["adamw", "cms_phase1_two_replays", "cms_one_replay", "cms_phase1_one_replay_core"])
 def test_a_graph_mode_step_interrupted_anywhere_is_undone_or_done(monkeypatch, kw, steps):
     """CUDA-graph mode's step (GraphState) on the CPU, its replays simulated (GraphState._graph_of
     keeps the calls of a kind of step and runs them at each replay, as
@@ -213,9 +227,12 @@ def test_a_graph_mode_step_interrupted_anywhere_is_undone_or_done(monkeypatch, k
 
     monkeypatch.setattr(GraphState, "_graph_of", graph_of)
 
+    kw = dict(kw)
+    core = kw.pop("_core", False)
+
     def as_graph_mode(opt):
-        if opt._cms_mode is not None:
-            opt._cms_mode.phase1_cpu_path = False  # CUDA's Phase 1 (torch ops)
+        if opt._cms_mode is not None:  # CUDA's Phase 1 (torch ops, or the C core's)
+            set_phase1_path(opt, "core" if core else "torch")
         opt._graph = opt._graph_state()
 
     model, opt, loss = trained(dict(kw, cuda_graph_warmup_steps=2), steps, as_graph_mode)

@@ -1,7 +1,8 @@
 """CMS mode of the DeepNestedOptimizer (spec section 7): Phase 1 (surrogate training of
-DirectUpdateMLP: its gradient from the C core on the CPU, from the same algorithm in torch ops,
-without host syncs, on CUDA), Phase 2, the parameter update, as one call of the C core
-(tm_cms_step), and the momentum network's meta proxy loss. The state it keeps and its
+DirectUpdateMLP: its gradient from the C core on the CPU; on CUDA, without host syncs, from the
+same algorithm in torch ops, or with TITANMAC_CUDA_PHASE1=core from the C core with the MLP's
+Adam step, capturable in a CUDA graph: phase1.py), Phase 2, the parameter update, as one call of
+the C core (tm_cms_step), and the momentum network's meta proxy loss. The state it keeps and its
 checkpoint layout: cms_state.py.
 
 Section numbers (spec N, §N) and bug ids (B1-B11, its section 14) refer to
@@ -9,6 +10,7 @@ docs/deep_nested_optimizer.md.
 """
 
 import math
+from types import SimpleNamespace
 
 import torch
 
@@ -29,6 +31,8 @@ from .nets import (
 )
 from .._internal.runtime import (Scratch, before_write, dense_order, exec_kwargs, in_layout_of,
                                 mark_written)
+from .._internal.step_hooks import has_step_hooks, tell_schedulers_stepped, with_step_hooks
+from .phase1 import CorePhase1, Phase1Call, cuda_phase1_path, device_skip_scale
 from .surrogate import SurrogatePlan, surrogate_gradient
 from .undo import training_undo
 
@@ -92,7 +96,12 @@ class CMSMode:
     step the device-side guard skipped is seen on the host (a free read there), so Phase 1 skips
     it as the reference's does; on CUDA the same algorithm runs in torch ops (with chunk plans for
     the selected sizes) and a skipped step's targets count as zero (no host read). The tests set
-    it False to run CUDA's way on the CPU."""
+    it False to run CUDA's way on the CPU. phase1_core (CUDA, TITANMAC_CUDA_PHASE1=core; the
+    tests set it on the CPU too): CUDA's way with the gradient from the C core's op and the MLP's
+    Adam step from its AdamW op (phase1.py), which CUDA-graph mode captures with the step."""
+
+    phase1_core = False  # (class defaults for objects pickled before they existed)
+    core = None
 
     def __init__(self, device, params, weights, control, state, *, use_preprocessing, hidden,
                  layers, cms_frequencies, fix_reference_bugs):
@@ -110,6 +119,10 @@ class CMSMode:
         self.fix_reference_bugs = fix_reference_bugs
         self.output_history = {}  # tensor index -> last Phase 1 output (checkpointed)
         self.phase1_cpu_path = device.type == "cpu"
+        # opt-in until a GPU has run it: the torch ops stay CUDA's default (the variable is
+        # checked on every device, so a misspelt value fails on the CPU too)
+        self.phase1_core = cuda_phase1_path() == "core" and device.type == "cuda"
+        self.core = CorePhase1()
         self.phase1_plans = {}
         self.last_surrogate_loss = None
         self.phase1_undo = None  # see phase1
@@ -127,28 +140,117 @@ class CMSMode:
         training on the first 20 tensors with a gradient. Its input is the level-0 accumulator,
         zero at this point in the reference (B1). On the CPU the loss's gradient comes from the
         C core (tm_cms_surrogate); on CUDA from its algorithm in torch ops
-        (surrogate.surrogate_gradient)."""
+        (surrogate.surrogate_gradient), or with phase1_core from the C core, the MLP's Adam step
+        then by the C core's AdamW too (_core_phase1; graph mode: phase1_graph_call)."""
         self.phase1_undo = None  # set when this step's Phase 1 wrote: undone if Phase 2 fails
         if not self.phase1_due(step):
             return
         if self.phase1_cpu_path and float(self.control.skipped) != 0.0:
-            return  # the reference's guard returns before Phase 1 (CUDA: _phase1_targets)
-        self._check_state_matches()
-        # Phase 1 writes the MLP and its Adam state before Phase 2 runs: whatever Phase 2 would
-        # refuse (a gradient sharing memory, a buffer of another dtype) is refused first
-        self.phase2(step, check_only=True)
-        selected = select_phase1_tensors(self.params.base.param_groups)
+            return  # the reference's guard returns before Phase 1 (CUDA: device_skip_scale)
+        selected = self._phase1_selection(step)
         if not selected:
             return
+        if self._core_on_device():
+            self.core.adam.check(step.mlp_optimizer)  # refused before anything is written
         # an exception from here until Phase 2 has written (torch's optimizer hooks run in the
         # MLP's Adam step; a tensor's __dlpack__; a signal) is undone by the caller with this
         self.phase1_undo = self._phase1_undo(step)
         step.mlp_optimizer.zero_grad()
+        if self._core_on_device():
+            self._core_phase1(step, selected)
+            return
         total = self._phase1_gradient(selected, step.momentum_mlp)
         # The reference's clip (torch ops, no host sync) and Adam step.
         fused_clip_grad_norm_(step.momentum_mlp.parameters(), META_GRAD_CLIP, inplace=True)
         step.mlp_optimizer.step()
         self.last_surrogate_loss = total.detach()
+
+    def _phase1_selection(self, step):
+        """The checks before Phase 1 writes, then the tensors it trains on (may be none)."""
+        self._check_state_matches()
+        # Phase 1 writes the MLP and its Adam state before Phase 2 runs: whatever Phase 2 would
+        # refuse (a gradient sharing memory, a buffer of another dtype) is refused first
+        self.phase2(step, check_only=True)
+        return select_phase1_tensors(self.params.base.param_groups)
+
+    def _core_on_device(self):
+        """Phase 1 takes CUDA's way (no host read of the skip flag) through the C core."""
+        return self.phase1_core and not self.phase1_cpu_path
+
+    def _core_phase1(self, step, selected):
+        """An eager Phase 1 step through the C core (phase1.py): the surrogate gradient, the
+        reference's clip, and mlp_optimizer's step by the C core's AdamW between torch's step
+        hooks of mlp_optimizer (its own and the global ones), as its step() runs them."""
+        mlp, optimizer = step.momentum_mlp, step.mlp_optimizer
+        call = self._core_call(selected, mlp, static=False)
+        call.run()
+
+        def update():  # prepared here: a pre-hook may have changed a group's lr
+            self.core.adam.prepare(optimizer, self.device).run_eagerly()
+        if has_step_hooks(optimizer):
+            with_step_hooks(optimizer, update)
+        else:
+            update()
+        tell_schedulers_stepped(optimizer)
+        self.last_surrogate_loss = call.total.detach()
+
+    def phase1_graph_call(self, step):
+        """CUDA-graph mode's Phase 1 step: (key, run, finish) when it is captured with the step's
+        other calls, built on the host now (every check, every buffer, the Adam's step counts in
+        device memory): run() the device work a capture records, key what that capture froze
+        (host numbers, addresses), finish() the host bookkeeping after the replay ran (run again
+        after an interrupt, it does the same). None when this step's Phase 1 runs eagerly
+        instead (the torch ops' path, step hooks on mlp_optimizer, no tensor selected)."""
+        optimizer = step.mlp_optimizer
+        if not self._core_on_device() or has_step_hooks(optimizer):
+            return None
+        self.phase1_undo = None
+        selected = self._phase1_selection(step)
+        if not selected:
+            return None
+        mlp = step.momentum_mlp
+        # nothing on the device is written before the replay, which writes all of it or nothing
+        self.phase1_undo = self._host_undo(mlp, optimizer)
+        call = self._core_call(selected, mlp, static=True)
+        adam = self.core.adam.prepare(optimizer, self.device)
+        adam.fill_steps()
+        before_write(adam.params)
+
+        def run():  # what the capture records (run at the capture only)
+            call.run()
+            adam.run()
+
+        def finish():
+            mark_written(adam.params)
+            adam.finish()
+            tell_schedulers_stepped(optimizer)
+            self.last_surrogate_loss = call.total.clone()  # the graph's buffer: a copy
+        return (call.key(), adam.key()), run, finish
+
+    def _host_undo(self, mlp, optimizer):
+        """Puts back what building a graph's Phase 1 call changes on the host: the output
+        history's entries, the MLP's .grad, Adam state entries made for its first step."""
+        history = dict(self.output_history)
+        grads = [(w, w.grad) for w in mlp.parameters()]
+        had_state = set(optimizer.state)
+
+        def undo():
+            self.output_history = history
+            for w, g in grads:
+                w.grad = g
+            for p in [p for p in optimizer.state if p not in had_state]:
+                del optimizer.state[p]
+        return undo
+
+    def _core_call(self, selected, mlp, static):
+        """The Phase1Call of these tensors. static (graph mode): the MLP's gradients and the
+        losses in buffers kept across steps, and the mean loss written into one."""
+        inputs = self._phase1_inputs(selected, mlp, static)
+        core = self.core
+        scratch = core.scratch_for(inputs.targets, self.layers, self.device)
+        total = core.static_total(self.device) if static else None
+        return Phase1Call(inputs, self.control.skipped, self.hidden, self.layers, scratch,
+                          self.device, total)
 
     def _phase1_undo(self, step):
         """A function that puts back what Phase 1 writes: the MLP's weights and gradients, its
@@ -198,18 +300,14 @@ class CMSMode:
 
     def _phase1_targets(self, selected):
         """Per tensor what g^_0 is made of, and the scale: (targets, scale, divisor) with
-        g^_0 = target * scale / divisor (a non-finite g^_0 counts as 0)."""
+        g^_0 = target * scale / divisor (a non-finite g^_0 counts as 0). CUDA's way applies
+        device_skip_scale to the scale when it runs."""
         divisor = float(max(self.cms_frequencies[0], 1))
         if self.fix_reference_bugs:  # B1 corrected: the current (clipped) gradient
             targets, scale = [p.grad.detach() for p in selected], self.control.coef
         else:  # B1: A_0 was reset by the last Phase 2, so this is zero
             acc = self.state.buffers["accumulated_grad"][0]
             targets, scale = [acc[self.state.index[p]] for p in selected], None
-        if not self.phase1_cpu_path:
-            # A step the guard skipped (known on the device only) trains on zero targets: scale
-            # 0 zeroes them, NaN gradients included. x * 1 is exact, so an unskipped step is
-            # unchanged.
-            scale = torch.where(self.control.skipped != 0.0, 0.0, 1.0 if scale is None else scale)
         return targets, scale, divisor
 
     def _phase1_gradient(self, selected, mlp):
@@ -218,6 +316,25 @@ class CMSMode:
         kept in place as the next call's previous output; returns the mean loss. The activations
         are never all stored: the reference's autograd holds [numel, H] floats per layer for
         every tensor until its backward (~1.3 GB on the 3.2M-parameter TitanMAC-like model)."""
+        i = self._phase1_inputs(selected, mlp, static=False)
+        scale = i.scale if self.phase1_cpu_path else device_skip_scale(self.control.skipped,
+                                                                       i.scale)
+        if self.phase1_cpu_path:
+            _C.cms_surrogate(
+                i.targets, i.momenta, i.outputs, i.weights, i.grads, i.losses,
+                divisor=i.divisor, hidden=self.hidden, layers=self.layers,
+                has_prev=i.has_prev, scale=scale, **exec_kwargs(self.device))
+        else:
+            surrogate_gradient(i.targets, i.momenta, i.outputs, i.weights, i.grads, i.losses,
+                               divisor=i.divisor, has_prev=i.has_prev, scale=scale,
+                               plan=self._phase1_plan(tuple(p.numel() for p in i.selected)))
+        return i.losses.mean()
+
+    def _phase1_inputs(self, selected, mlp, static):
+        """The lists and numbers of a Phase 1 gradient call over the selected tensors, each
+        tensor's last output in the history (a fresh one the first time) as the call's previous
+        output and its new output's place; the MLP's .grad made (static: graph mode's kept
+        buffers, CorePhase1)."""
         cms = self.state
         idx = [cms.index[p] for p in selected]
         for i, p in zip(idx, selected):
@@ -236,25 +353,19 @@ class CMSMode:
         def views(tensors):  # in the parameters' layouts, as the C core pairs elements
             return [_permuted(in_layout_of(t, p), o, p)
                     for t, o, p in zip(tensors, orders, selected)]
-        targets = views(targets)
-        momenta = views([cms.buffers["momentum"][0][i] for i in idx])
-        outputs = views([history[i] for i in idx])
-        grads = []
-        for w in mlp.parameters():
-            w.grad = torch.empty_like(w)
-            grads.append(w.grad)
-        weights = self.weights.of("momentum_mlp", mlp)
-        losses = torch.empty(len(selected), dtype=torch.float32, device=self.device)
-        if self.phase1_cpu_path:
-            _C.cms_surrogate(
-                targets, momenta, outputs, weights, grads, losses, divisor=divisor,
-                hidden=self.hidden, layers=self.layers, has_prev=has_prev, scale=scale,
-                **exec_kwargs(self.device))
-        else:
-            surrogate_gradient(targets, momenta, outputs, weights, grads, losses,
-                               divisor=divisor, has_prev=has_prev, scale=scale,
-                               plan=self._phase1_plan(tuple(p.numel() for p in selected)))
-        return losses.mean()
+        mlp_params = list(mlp.parameters())
+        grads = (self.core.static_grads(mlp_params) if static
+                 else [torch.empty_like(w) for w in mlp_params])
+        for w, g in zip(mlp_params, grads):
+            w.grad = g
+        losses = (self.core.static_losses(len(selected), self.device) if static else
+                  torch.empty(len(selected), dtype=torch.float32, device=self.device))
+        return SimpleNamespace(
+            selected=selected, targets=views(targets), scale=scale, divisor=divisor,
+            momenta=views([cms.buffers["momentum"][0][i] for i in idx]),
+            outputs=views([history[i] for i in idx]), has_prev=has_prev,
+            weights=self.weights.of("momentum_mlp", mlp), grads=grads, losses=losses,
+            mlp_params=mlp_params)
 
     def _phase1_plan(self, sizes):
         """The SurrogatePlan of these sizes, from the last few layouts (a selection that changes

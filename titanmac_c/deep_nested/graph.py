@@ -1,15 +1,18 @@
 """CUDA-graph mode of the DeepNestedOptimizer (spec section 11, done so that every step applies its
 update): after `cuda_graph_warmup_steps` eager steps, the C calls of a step are captured in a CUDA
 graph, one per kind of step (controller or not; in CMS mode, which levels fire), and replayed; in
-CMS mode a step that trains the DirectUpdateMLP (Phase 1, eager torch ops) runs it between two
-graphs, the statistics and control before it and Phase 2 after. The gradients live in static buffers
+CMS mode a step that trains the DirectUpdateMLP (Phase 1) is one graph too with
+TITANMAC_CUDA_PHASE1=core (the C core's Phase 1 and the MLP's Adam step captured between the
+control and Phase 2: one replay a step), else it runs Phase 1 (eager torch ops) between two graphs,
+the statistics and control before it and Phase 2 after. The gradients live in static buffers
 (zero_grad zeroes them in place; a gradient that was reallocated anyway is copied in), base_lr (and
 for the legacy network's context t) reaches the graph through a device tensor, a reload re-captures
 (so the reference's B8, B9, B10 do not occur), and so does a change of a number the calls take from
 the host (max_grad_norm, the weight decay, AdamW's group hyperparameters). Tested on an H100 against
 eager, AdamW and CMS modes with the DirectUpdateMLP; the two-graph Phase 1 step, the legacy
 network's capture and the re-captures are tested on the CPU only, with simulated replays
-(tests/cms/test_deep_nested_cms.py).
+(tests/cms/test_deep_nested_cms.py). The one-graph Phase 1 step is tested that way on the CPU;
+its real capture has tests that run on a GPU only (tests/deep_nested/test_deep_nested_cuda.py).
 
 Section numbers (spec N, §N) and bug ids (B1-B11, its section 14) refer to
 docs/deep_nested_optimizer.md.
@@ -22,7 +25,7 @@ import torch
 
 from .. import _C
 from .._internal import profiling as prof
-from .._internal.runtime import before_write, mark_written
+from .._internal.runtime import before_write, mark_written, run_to_completion
 from ..optim.adamw import adamw_step, group_hyperparameters
 from ..optim.batching import lay_out_state
 from .args import check_float, check_rate_range
@@ -35,7 +38,8 @@ class GraphState:
     gradient that was reallocated anyway is copied in), the learning rate scale is a device
     tensor, and a reload re-captures."""
 
-    update_mark = written = None  # (class defaults for objects pickled before they existed)
+    # (class defaults for objects pickled before they existed)
+    update_mark = written = phase1_finish = None
 
     def __init__(self, device, params, weights, control, cms, warmup):
         self.device = device
@@ -65,6 +69,7 @@ class GraphState:
         self.captured = False
         self.update_mark = None  # completed_calls() before this step's update replay
         self.written = None  # the tensors that replay writes, until finish_written
+        self.phase1_finish = None  # a captured Phase 1's bookkeeping, until finish_written
         self.addresses = None  # see _addresses
         self.host_values = None  # see _host_values
 
@@ -147,16 +152,39 @@ class GraphState:
             self.context[0].fill_(float(t))
             self.context[1].fill_(step.base_lr)
         # One graph per kind of step: controller or not, and (CMS) which levels fire. A step
-        # that trains the DirectUpdateMLP (Phase 1: torch ops and torch's Adam, eager) replays
-        # two: the statistics and control, whose clip coefficient and skip flag Phase 1 reads,
-        # then Phase 2.
+        # that trains the DirectUpdateMLP is one more kind with the C core's Phase 1 (captured
+        # between the control op, whose clip coefficient and skip flag it reads, and Phase 2);
+        # with the torch ops' Phase 1 (and torch's Adam, eager) it replays two graphs: the
+        # statistics and control, then Phase 2.
         # a replay writes what the eager step's calls mark (parameters; gradients zeroed on a
         # skip in AdamW mode): marked by finish_written once the update replay ran
         self.written = (params, self.static_grads if cms is None else ())
         before_write(*self.written)
         fires = None if cms is None else tuple(cms.state.fires(t))
         update = step.update
-        if cms is not None and cms.phase1_due(step):
+        self.phase1_finish = None
+        phase1_due = cms is not None and cms.phase1_due(step)
+        phase1 = None
+        try:
+            if phase1_due:
+                phase1 = cms.phase1_graph_call(step)
+            if phase1 is not None:  # the whole step, Phase 1 included, in one graph
+                key, run, self.phase1_finish = phase1
+                self._replay(("phase1", update, fires, key),
+                             lambda: (self._captured_head(step), run(),
+                                      self._captured_tail(step)), update=True)
+        except BaseException:  # a refusal, or an interrupt before the replay ran
+            if not self.updated:  # the step did not happen: nothing on the device changed
+                self.phase1_finish = None
+                if phase1_due and cms.phase1_undo is not None:
+                    cms.phase1_undo()
+            raise
+        if phase1 is not None:
+            # within the step (an interrupt until it completed: the step's handler runs it,
+            # through finish_written), as the eager Phase 1's bookkeeping
+            run_to_completion(self._finish_phase1)
+            return True
+        if phase1_due:
             head_mark = _C.completed_calls()
             try:
                 self._replay(("head", update), lambda: self._captured_head(step))
@@ -176,10 +204,19 @@ class GraphState:
 
     def finish_written(self):
         """After a step whose update replay ran (also when an exception followed it; run again
-        if interrupted): autograd told of the replay's writes (mark_written)."""
+        if interrupted): autograd told of the replay's writes (mark_written), and a captured
+        Phase 1's host bookkeeping done (its finish does the same when run again)."""
         if self.written is not None and self.updated:
             mark_written(*self.written)  # (twice, if interrupted here: a harmless extra bump)
         self.written = None
+        self._finish_phase1()
+
+    def _finish_phase1(self):
+        """A captured Phase 1's host bookkeeping, once its replay ran (run again, it does the
+        same)."""
+        if self.phase1_finish is not None and self.updated:
+            self.phase1_finish()
+        self.phase1_finish = None
 
     def _lay_out_state(self, params):
         """The state of a parameter relaid out since the last capture (`p.data = ...` in another
