@@ -48,13 +48,22 @@ def test_a_float64_model_matches_the_reference_250_steps(device, preprocessing):
     assert all(p.dtype == torch.float64 for p in model_o.parameters())
 
 
-def _parity_250_steps(device, preprocessing, freqs, wd, dtype=torch.float32):
+def _parity_250_steps(device, preprocessing, freqs, wd, dtype=torch.float32,
+                      core_phase1=False):
     """Reference and ours over 250 steps, compared after each (the direct network resynced
-    before each step, see cms_checks); returns our model."""
+    before each step, see cms_checks); returns our model. core_phase1: ours runs Phase 1 by the
+    C core's path (TITANMAC_CUDA_PHASE1=core, set by the caller, on a CUDA model; set on
+    CMSMode on a CPU model, which ignores the switch), and after each Phase 1 step the
+    surrogate loss (1e-5 relative) and every MLP weight (1e-3 of the Adam step, lr 1e-3) are
+    the reference's."""
     steps = 250
     (model_r, ref), (model_o, ours) = cms_pair(
         device, model=make_mlp_10_32_5(seed=0).to(dtype), cms_frequencies=freqs,
         use_preprocessing=preprocessing, weight_decay=wd, meta_update_freq=50)
+    if core_phase1:
+        if device == "cpu":
+            set_phase1_path(ours, "core")
+        assert ours._cms_mode.phase1_core and not ours._cms_mode.phase1_cpu_path
     batches = [{k: v.to(dtype) for k, v in batch.items()}
                for batch in synthetic_batches("mlp", steps, seed=7, device=device)]
     for step, batch in enumerate(batches, start=1):
@@ -69,6 +78,13 @@ def _parity_250_steps(device, preprocessing, freqs, wd, dtype=torch.float32):
         else:
             assert set(res_o) == set(res_r), step
         compare_cms(ref, ours, model_r, model_o, step, before)
+        if core_phase1 and step % ours.mlp_train_freq == 0:
+            torch.testing.assert_close(res_o["surrogate_loss"], res_r["surrogate_loss"],
+                                       rtol=1e-5, atol=0, msg=lambda m: f"step {step}: {m}")
+            for (name, wr), wo in zip(ref.momentum_mlp.named_parameters(),
+                                      ours.momentum_mlp.parameters()):
+                torch.testing.assert_close(wo, wr, rtol=0, atol=1e-3 * 1e-3,
+                                           msg=lambda m: f"step {step} {name}: {m}")
     return model_o
 
 
@@ -83,29 +99,7 @@ def test_cms_parity_250_steps_with_the_core_phase1(monkeypatch, device, freqs):
     is not a Phase 1 step, so the device-side skip (zero targets, where the reference does not
     train) is not reached here: test_a_skipped_phase1_step."""
     monkeypatch.setenv("TITANMAC_CUDA_PHASE1", "core")
-    (model_r, ref), (model_o, ours) = cms_pair(
-        device, model=make_mlp_10_32_5(seed=0), cms_frequencies=freqs, weight_decay=0.01,
-        meta_update_freq=50)
-    if device == "cpu":
-        set_phase1_path(ours, "core")
-    assert ours._cms_mode.phase1_core and not ours._cms_mode.phase1_cpu_path
-    for step, batch in enumerate(synthetic_batches("mlp", 250, seed=7, device=device), start=1):
-        sync_cms_from_reference(ref, ours, model_r, model_o)
-        before = [p.detach().clone() for p in model_r.parameters()]
-        res_r = cms_step(model_r, ref, batch, step)
-        res_o = cms_step(model_o, ours, batch, step)
-        if step == NAN_GRAD_STEP:  # the clip norm is NaN: the whole step is skipped
-            assert res_r.get("skipped") and float(ours.skipped) == 1.0
-        else:
-            assert set(res_o) == set(res_r), step
-        compare_cms(ref, ours, model_r, model_o, step, before)
-        if step % ours.mlp_train_freq == 0:
-            torch.testing.assert_close(res_o["surrogate_loss"], res_r["surrogate_loss"],
-                                       rtol=1e-5, atol=0, msg=lambda m: f"step {step}: {m}")
-            for (name, wr), wo in zip(ref.momentum_mlp.named_parameters(),
-                                      ours.momentum_mlp.parameters()):
-                torch.testing.assert_close(wo, wr, rtol=0, atol=1e-3 * 1e-3,
-                                           msg=lambda m: f"step {step} {name}: {m}")
+    _parity_250_steps(device, True, freqs, 0.01, core_phase1=True)
 
 
 def test_the_phase1_switch(monkeypatch):

@@ -104,6 +104,16 @@ def _eager_and_graph(steps, seed, nan_loss_at=None, mlp_scale=None, **kw):
     return model_e, eager, model_g, graph
 
 
+def _assert_mlp_close(graph, eager):
+    """The DirectUpdateMLP's weights finite and within 1% of an Adam step (lr 1e-3) of
+    eager's."""
+    for (name, w_g), w_e in zip(graph.momentum_mlp.named_parameters(),
+                                eager.momentum_mlp.parameters()):
+        assert torch.isfinite(w_g).all()
+        torch.testing.assert_close(w_g, w_e, rtol=0, atol=1e-5,
+                                   msg=lambda m: f"momentum_mlp.{name}: {m}")
+
+
 def _assert_momenta_close(model_g, graph, model_e, eager):
     """Every level's CMS momentum by normalized squared error (the backward's last-bit drift
     reaches the momenta through the sign feature)."""
@@ -156,11 +166,7 @@ def test_graph_mode_matches_eager_with_the_fixes_and_a_skipped_phase1_step():
                                                       use_cms_updates=True,
                                                       fix_reference_bugs=True)
     _assert_momenta_close(model_g, graph, model_e, eager)
-    for (name, w_g), w_e in zip(graph.momentum_mlp.named_parameters(),
-                                eager.momentum_mlp.parameters()):
-        assert torch.isfinite(w_g).all()
-        torch.testing.assert_close(w_g, w_e, rtol=0, atol=1e-5,
-                                   msg=lambda m: f"momentum_mlp.{name}: {m}")
+    _assert_mlp_close(graph, eager)
 
 
 @pytest.mark.parametrize("fix", [False, True], ids=["reference-bugs", "fixed"])
@@ -192,11 +198,7 @@ def test_graph_mode_with_the_core_phase1_matches_eager_one_replay_a_step(monkeyp
     assert sum(key[0] == "phase1" for key in replays) == 6  # steps 5, 10, ..., 30
     assert not any(key[0] in ("head", "tail") for key in replays)
     _assert_momenta_close(model_g, graph, model_e, eager)
-    for (name, w_g), w_e in zip(graph.momentum_mlp.named_parameters(),
-                                eager.momentum_mlp.parameters()):
-        assert torch.isfinite(w_g).all()
-        torch.testing.assert_close(w_g, w_e, rtol=0, atol=1e-5,
-                                   msg=lambda m: f"momentum_mlp.{name}: {m}")
+    _assert_mlp_close(graph, eager)
     for s_g, s_e in zip(graph.mlp_optimizer.state_dict()["state"].values(),
                         eager.mlp_optimizer.state_dict()["state"].values()):
         assert s_g["step"].device.type == "cpu" and float(s_g["step"]) == float(s_e["step"]) == 6
